@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Serve a DeepSeek V4 checkpoint with vLLM (the overlay applied) and the recommended DSv4 flags.
+#
+#   bash scripts/serve.sh [MODEL] [extra vllm serve args...]
+#
+# MODEL (argument or $MODEL): a checkpoint directory. Without one, the tiny full-NVFP4 checkpoint is
+# generated once into $TINY_DIR (default checkpoints/tiny-nvfp4) and served.
+# Environment: PYTHON (default python3), PORT (8000), VLLM_EXTRA_ARGS (more flags, word-split),
+# TENSOR_PARALLEL_SIZE (1).
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=${PYTHON:-python3}
+MODEL=${1:-${MODEL:-}}
+[ $# -eq 0 ] || shift
+
+if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "serve.sh: error: no CUDA GPU is visible to $PYTHON (torch.cuda.is_available() is False)." >&2
+    echo "serve.sh: vLLM serves DeepSeek V4 on SM90 (H100/H200) or SM100 (B200) GPUs only." >&2
+    exit 1
+fi
+
+EXTRA=()
+if [ -z "$MODEL" ]; then
+    MODEL=${TINY_DIR:-$HERE/checkpoints/tiny-nvfp4}
+    if [ ! -f "$MODEL/config.json" ]; then
+        echo "serve.sh: generating the tiny full-NVFP4 DeepSeek V4 checkpoint in $MODEL"
+        "$PYTHON" -m cutedsl.tools.tiny_model "$MODEL" --format nvfp4
+    fi
+    # The tiny checkpoint has no tokenizer: clients send token ids.
+    EXTRA+=(--skip-tokenizer-init --max-model-len 4096)
+else
+    [ -f "$MODEL/config.json" ] || { echo "serve.sh: error: $MODEL/config.json not found" >&2; exit 1; }
+    EXTRA+=(--tokenizer-mode deepseek_v4 --tool-call-parser deepseek_v4 --enable-auto-tool-choice
+        --reasoning-parser deepseek_v4)
+fi
+
+PYTHON="$PYTHON" bash "$HERE/apply_patches.sh"
+
+# The DeepSeek V4 flags of the vLLM recipes: FP8 KV cache (required by the DSv4 attention), the
+# 256-token KV block of its sparse SWA backend, full + piecewise CUDA graphs.
+# shellcheck disable=SC2086
+exec "$PYTHON" -m vllm.entrypoints.cli.main serve "$MODEL" \
+    --port "${PORT:-8000}" \
+    --tensor-parallel-size "${TENSOR_PARALLEL_SIZE:-1}" \
+    --kv-cache-dtype fp8 \
+    --block-size 256 \
+    --compilation-config '{"cudagraph_mode":"FULL_AND_PIECEWISE","custom_ops":["all"]}' \
+    "${EXTRA[@]}" ${VLLM_EXTRA_ARGS:-} "$@"
