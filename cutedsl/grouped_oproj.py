@@ -1,0 +1,96 @@
+"""The DSv4 grouped o-projection wo_a, with the inverse RoPE before it.
+
+o bf16 [T, NH, hd] (attention output; its last 64 dims of each head carry the key rotation) →
+BF16 inverse RoPE at the query positions (float32 cos‖sin cache [max_pos, 64]) → view [T, G, D]
+with D = NH·hd/G (group g = heads g·NH/G … (g+1)·NH/G − 1) → out[t, g] = x[t, g] · W_gᵀ, W_g =
+rows g·R … (g+1)·R − 1 of the checkpoint's wo_a weight u8 [G·R, D//2] → bf16 [T, G, R]; the caller
+flattens it for wo_b. Backends and graph notes as in `cutedsl.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cutedsl import formats, ops, reference
+from cutedsl.runner import Runner, check_tensor, scalar_f32
+
+
+class Nvfp4GroupedOproj(Runner):
+    def __init__(
+        self,
+        weight: torch.Tensor,  # (G*R, D//2) uint8 e2m1x2
+        weight_scale: torch.Tensor,  # (G*R, D//16) float8_e4m3fn, linear
+        weight_scale_2: torch.Tensor | float,  # () fp32
+        input_scale: torch.Tensor | float | None = None,  # () fp32
+        *,
+        n_groups: int,
+        out_dtype: torch.dtype = torch.bfloat16,
+        backend: str | None = None,
+    ) -> None:
+        check_tensor("weight", weight, (None, None), (torch.uint8,))
+        if n_groups <= 0 or weight.shape[0] % n_groups:
+            raise ValueError(
+                f"weight: {weight.shape[0]} rows, expected a multiple of n_groups={n_groups}"
+            )
+        self.n_groups, self.r, self.d = n_groups, weight.shape[0] // n_groups, weight.shape[1] * 2
+        if self.d % formats.BLOCK:
+            raise ValueError(f"weight: D = {self.d}, expected a multiple of 16")
+        dev = weight.device
+        check_tensor(
+            "weight_scale",
+            weight_scale,
+            (weight.shape[0], self.d // 16),
+            (torch.float8_e4m3fn,),
+            dev,
+        )
+        self.weight, self.weight_scale = weight, weight_scale
+        self.weight_scale_2 = scalar_f32("weight_scale_2", weight_scale_2, dev)
+        self.input_scale = scalar_f32("input_scale", input_scale, dev)
+        self.out_dtype = out_dtype
+        self._setup(dev, backend)
+
+    def _make_impl(self, backend: str):
+        if backend == "reference":
+            return self._reference
+        if backend == "sm90":
+            from cutedsl import sm90_runners
+
+            return sm90_runners.grouped_oproj_impl(self)
+        if backend == "sm100":
+            from cutedsl import sm100_runners
+
+            return sm100_runners.grouped_oproj_impl(self)
+        raise self._unavailable(backend, "nvfp4_grouped_oproj")
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        y = reference.nvfp4_grouped_oproj_ref(
+            x, self.weight, self.weight_scale, self.weight_scale_2
+        )
+        return y.to(self.out_dtype)
+
+    def run(
+        self, o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> torch.Tensor:
+        check_tensor("o", o, (None, None, None), (torch.bfloat16,), self.device)
+        t, nh, hd = o.shape
+        if nh * hd != self.n_groups * self.d:
+            raise ValueError(
+                f"o: shape {list(o.shape)}, expected NH·head_dim = G·D = {self.n_groups}·{self.d}"
+            )
+        check_tensor("positions", positions, (t,), (torch.int32, torch.int64), self.device)
+        check_tensor(
+            "cos_sin_cache",
+            cos_sin_cache,
+            (None, reference.ROPE_DIM),
+            (torch.float32,),
+            self.device,
+        )
+        if t == 0:
+            return o.new_empty((0, self.n_groups, self.r), dtype=self.out_dtype)
+        x = reference.inverse_rope_ref(o, positions, cos_sin_cache).view(t, self.n_groups, self.d)
+        return self._impl(x)
+
+    def __call__(
+        self, o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> torch.Tensor:
+        return ops.nvfp4_grouped_oproj(o, positions, cos_sin_cache, self.id)

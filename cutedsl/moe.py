@@ -1,0 +1,107 @@
+"""The DSv4 routed experts: out[m] = Σ_j topk_weights[m, j] · expert_{topk_ids[m, j]}(x[m]).
+
+Each expert is the clamped-SwiGLU MLP of `cutedsl.shared_mlp` with its own NVFP4 weights:
+w13 u8 [E, 2I, H//2] (w1 rows then w3 rows), w13_scale e4m3 [E, 2I, H//16], w13_scale_2 fp32 [E],
+w2 u8 [E, H, I//2], w2_scale e4m3 [E, H, I//16], w2_scale_2 fp32 [E]; input scales fp32 [E].
+topk_ids int32 [M, topk]: local expert ids, −1 = not on this rank (expert parallelism).
+The runner writes vLLM's `out` buffer (bf16 [M, H]) in place. Backends as in `cutedsl.linear`; the
+GPU backends route on the device (sort by expert, per-expert offsets in a device tensor: one
+compiled kernel for every routing, no host sync, CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cutedsl import formats, ops, reference
+from cutedsl.runner import Runner, check_tensor, per_expert_f32
+
+
+def route(topk_ids: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the M·topk assignments by expert, on the device (no host sync, graph-capturable).
+
+    topk_ids int [M, topk], −1 = not local. Returns (order int64 [M·topk]: assignment indices
+    j = m·topk + s sorted by expert, stable, non-local last; offs int32 [E + 1]: expert x owns
+    sorted rows [offs[x], offs[x+1]); valid bool [M·topk]: sorted row i is a local assignment).
+    """
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    key = torch.where(ids >= 0, ids, e)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))  # not bincount: it syncs on CUDA
+    offs = torch.zeros(e + 1, dtype=torch.int32, device=ids.device)
+    offs[1:] = torch.cumsum(counts[:e], 0)
+    return order, offs, key[order] < e
+
+
+class Nvfp4MoE(Runner):
+    def __init__(
+        self,
+        w13: torch.Tensor,  # (E, 2I, H//2) uint8
+        w13_scale: torch.Tensor,  # (E, 2I, H//16) e4m3
+        w13_scale_2: torch.Tensor,  # (E,) fp32
+        w13_input_scale: torch.Tensor | None,  # (E,) fp32
+        w2: torch.Tensor,  # (E, H, I//2) uint8
+        w2_scale: torch.Tensor,  # (E, H, I//16) e4m3
+        w2_scale_2: torch.Tensor,  # (E,) fp32
+        w2_input_scale: torch.Tensor | None,  # (E,) fp32
+        *,
+        swiglu_limit: float | None = 10.0,
+        backend: str | None = None,
+    ) -> None:
+        check_tensor("w13", w13, (None, None, None), (torch.uint8,))
+        self.e = w13.shape[0]
+        if w13.shape[1] % 2:
+            raise ValueError(f"w13: {w13.shape[1]} rows per expert, expected 2·I")
+        self.i, self.h = w13.shape[1] // 2, w13.shape[2] * 2
+        if self.i % formats.BLOCK or self.h % formats.BLOCK:
+            raise ValueError(f"w13: I = {self.i}, H = {self.h}; both must be multiples of 16")
+        dev, e4m3 = w13.device, (torch.float8_e4m3fn,)
+        check_tensor("w13_scale", w13_scale, (self.e, 2 * self.i, self.h // 16), e4m3, dev)
+        check_tensor("w2", w2, (self.e, self.h, self.i // 2), (torch.uint8,), dev)
+        check_tensor("w2_scale", w2_scale, (self.e, self.h, self.i // 16), e4m3, dev)
+        self.w13, self.w13_scale, self.w2, self.w2_scale = w13, w13_scale, w2, w2_scale
+        self.w13_scale_2 = per_expert_f32("w13_scale_2", w13_scale_2, self.e, dev)
+        self.w2_scale_2 = per_expert_f32("w2_scale_2", w2_scale_2, self.e, dev)
+        self.w13_input_scale = per_expert_f32("w13_input_scale", w13_input_scale, self.e, dev)
+        self.w2_input_scale = per_expert_f32("w2_input_scale", w2_input_scale, self.e, dev)
+        self.swiglu_limit = swiglu_limit
+        self._setup(dev, backend)
+
+    def _make_impl(self, backend: str):
+        if backend == "reference":
+            return self._reference
+        if backend == "sm90":
+            from cutedsl import sm90_runners
+
+            return sm90_runners.moe_impl(self)
+        if backend == "sm100":
+            from cutedsl import sm100_runners
+
+            return sm100_runners.moe_impl(self)
+        raise self._unavailable(backend, "nvfp4_moe")
+
+    def _reference(self, x, topk_ids, topk_weights, out) -> None:
+        y = reference.nvfp4_moe_ref(
+            x, topk_ids, topk_weights, self.w13, self.w13_scale, self.w13_scale_2,
+            self.w2, self.w2_scale, self.w2_scale_2, self.swiglu_limit,
+        )  # fmt: skip
+        out.copy_(y)
+
+    def run(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        check_tensor("x", x, (None, self.h), (torch.bfloat16,), self.device)
+        m = x.shape[0]
+        check_tensor("topk_ids", topk_ids, (m, None), (torch.int32, torch.int64), self.device)
+        k = topk_ids.shape[1]
+        check_tensor("topk_weights", topk_weights, (m, k), (torch.float32,), self.device)
+        check_tensor("out", out, (m, self.h), (torch.bfloat16,), self.device)
+        if m == 0:
+            return
+        self._impl(x, topk_ids, topk_weights, out)
+
+    def __call__(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        ops.nvfp4_moe(x, topk_ids, topk_weights, out, self.id)
