@@ -37,3 +37,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     reason=f"needs an SM90 (Hopper) GPU; this one is sm_{cap[0]}{cap[1]}"
                 )
             )
+
+
+@pytest.fixture
+def emulated_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the launchers' own code on the CPU with each kernel replaced by its torch statement
+    (`expected_quant` / `emulate_gemm`), so buffer sizes, views and alphas are exercised."""
+
+    import torch
+
+    from cutedsl import sm100
+
+    def quant(x, gs, padded_t, q, sf):
+        eq, esf = sm100.expected_quant(x, gs, padded_t)
+        q.copy_(eq)
+        sf.copy_(esf.view(torch.uint8))
+
+    def gemm(a, a_sf, b, b_sf, alpha, out, **kw):
+        sm100.emulate_gemm(
+            a, a_sf.view(torch.float8_e4m3fn), b, b_sf.view(torch.float8_e4m3fn), alpha, out, **kw
+        )
+
+    monkeypatch.setattr(sm100, "quantize_act", quant)
+    monkeypatch.setattr(sm100, "gemm", gemm)

@@ -499,25 +499,6 @@ def test_linear_cuda_graph_replay_with_new_data() -> None:
 # --------------------------------------------------------------------------- launchers on the CPU
 
 
-@pytest.fixture
-def emulated_device(monkeypatch):
-    """Run the launchers' own code on the CPU with each kernel replaced by its torch statement
-    (`expected_quant` / `emulate_gemm`), so buffer sizes, views and alphas are exercised."""
-
-    def quant(x, gs, padded_t, q, sf):
-        eq, esf = sm100.expected_quant(x, gs, padded_t)
-        q.copy_(eq)
-        sf.copy_(esf.view(torch.uint8))
-
-    def gemm(a, a_sf, b, b_sf, alpha, out, **kw):
-        sm100.emulate_gemm(
-            a, a_sf.view(torch.float8_e4m3fn), b, b_sf.view(torch.float8_e4m3fn), alpha, out, **kw
-        )
-
-    monkeypatch.setattr(sm100, "quantize_act", quant)
-    monkeypatch.setattr(sm100, "gemm", gemm)
-
-
 @pytest.mark.parametrize("m", [1, 129])
 def test_linear_launcher_emulated(emulated_device, m: int) -> None:
     n, k = 256, 512

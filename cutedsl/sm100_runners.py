@@ -1,0 +1,109 @@
+"""The sm100 backend of each runner: weights prepared once for `cutedsl.sm100` (blocked scales,
+w13 interleaved for the fused clamped SwiGLU), then the W4A4 launchers (activation quantization
+with the static input scale, block-scaled GEMM, alpha = input_scale · weight_scale_2).
+
+Never run on a GPU: we have no Blackwell machine (see README). Compiled for sm_100a in CI.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cutedsl import sm100
+
+
+def _need(name: str, t: torch.Tensor | None) -> torch.Tensor:
+    """The static activation scale(s) as fp32 (1,): one per GEMM (the max over experts, as vLLM
+    keeps it). W4A4 cannot run without it."""
+    if t is None:
+        raise ValueError(f"{name}: the sm100 (W4A4) backend needs the static input scale, got None")
+    return t.float().amax().reshape(1)
+
+
+class _Warm:
+    limit: float | None = None
+
+    def warmup(self, max_tokens: int) -> None:  # one compile serves every M
+        sm100.warmup(self.limit)
+
+
+class _Linear(_Warm):
+    def __init__(self, r) -> None:
+        self.w, self.sf = sm100.prepare_weight(r.weight, r.weight_scale)
+        self.a_scale = _need("input_scale", r.input_scale)
+        self.alpha = self.a_scale * r.weight_scale_2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return sm100.nvfp4_linear_sm100(x.contiguous(), self.w, self.sf, self.a_scale, self.alpha)
+
+
+class _GroupedOproj(_Warm):
+    def __init__(self, r) -> None:
+        self.w, self.sf = sm100.prepare_weight(r.weight, r.weight_scale)
+        self.a_scale = _need("input_scale", r.input_scale)
+        self.alpha = (self.a_scale * r.weight_scale_2).expand(r.n_groups).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, G, D] (read in place) → [T, G, R]
+        return sm100.nvfp4_grouped_oproj_sm100(x, self.w, self.sf, self.a_scale, self.alpha)
+
+
+def _fused_limit(r) -> float:
+    if r.swiglu_limit is None:
+        raise NotImplementedError("sm100: only the fused clamped SwiGLU exists; swiglu_limit=None")
+    return float(r.swiglu_limit)
+
+
+class _SharedMlp(_Warm):
+    def __init__(self, r) -> None:
+        self.limit = _fused_limit(r)
+        self.w13, self.sf13 = sm100.prepare_weight(
+            sm100.interleave_w13(r.w13), sm100.interleave_w13(r.w13_scale)
+        )
+        self.w2, self.sf2 = sm100.prepare_weight(r.w2, r.w2_scale)
+        self.a13 = _need("w13_input_scale", r.w13_input_scale)
+        self.a2 = _need("w2_input_scale", r.w2_input_scale)
+        self.alpha13, self.alpha2 = self.a13 * r.w13_scale_2, self.a2 * r.w2_scale_2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = sm100.nvfp4_linear_sm100(
+            x.contiguous(), self.w13, self.sf13, self.a13, self.alpha13, swiglu_limit=self.limit
+        )
+        return sm100.nvfp4_linear_sm100(h, self.w2, self.sf2, self.a2, self.alpha2)
+
+
+class _MoE(_Warm):
+    def __init__(self, r) -> None:
+        self.limit = _fused_limit(r)
+        e, i2, h = r.e, 2 * r.i, r.h
+        w13, sf13 = sm100.prepare_weight(
+            sm100.interleave_w13(r.w13), sm100.interleave_w13(r.w13_scale)
+        )
+        self.w13, self.sf13 = w13.reshape(e * i2, h // 2), sf13.reshape(e * i2, h // 16)
+        w2, sf2 = sm100.prepare_weight(r.w2, r.w2_scale)
+        self.w2, self.sf2 = w2.reshape(e * h, r.i // 2), sf2.reshape(e * h, r.i // 16)
+        self.a13 = _need("w13_input_scale", r.w13_input_scale)
+        self.a2 = _need("w2_input_scale", r.w2_input_scale)
+        self.alpha13, self.alpha2 = self.a13 * r.w13_scale_2, self.a2 * r.w2_scale_2
+
+    def __call__(self, x, topk_ids, topk_weights, out) -> None:
+        y = sm100.nvfp4_moe_sm100(
+            x.contiguous(), topk_ids, topk_weights, self.w13, self.sf13, self.w2, self.sf2,
+            self.a13, self.a2, self.alpha13, self.alpha2, self.limit,
+        )  # fmt: skip
+        out.copy_(y)
+
+
+def linear_impl(r) -> _Linear:
+    return _Linear(r)
+
+
+def grouped_oproj_impl(r) -> _GroupedOproj:
+    return _GroupedOproj(r)
+
+
+def shared_mlp_impl(r) -> _SharedMlp:
+    return _SharedMlp(r)
+
+
+def moe_impl(r) -> _MoE:
+    return _MoE(r)

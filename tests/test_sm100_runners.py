@@ -1,0 +1,95 @@
+"""The sm100 backend glue of each runner (weight prep, w13 interleave, alphas, input scales) on
+the CPU, with the two kernels replaced by their torch statements (`emulated_device`), against the
+W4A4 torch reference. The kernels themselves are only compiled here (no Blackwell GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cutedsl import formats, reference, sm100_runners
+from cutedsl.grouped_oproj import Nvfp4GroupedOproj
+from cutedsl.linear import Nvfp4Linear
+from cutedsl.moe import Nvfp4MoE
+from cutedsl.shared_mlp import Nvfp4SharedMlp
+
+LIMIT = 10.0
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(torch.seed() % 2**31)
+
+
+def _q(*shape: int, g: torch.Generator, scale: float = 1.0):
+    w = torch.randn(*shape, generator=g) * scale
+    gs = formats.global_scale_from_amax(w.abs().amax(dim=(-2, -1))) if len(shape) == 3 else None
+    return formats.quantize_nvfp4(w, gs)
+
+
+def _x(*shape: int, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+
+def _in_scale(x: torch.Tensor) -> torch.Tensor:
+    return formats.global_scale_from_amax(x.float().abs().amax())
+
+
+def _check(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.isfinite(got).all()
+    err = (got.float() - want).abs().max().item()
+    assert err <= 1e-2 * want.abs().max().item() + 1e-4, err
+
+
+@pytest.mark.parametrize("m", [1, 130])
+def test_linear(emulated_device, m: int) -> None:
+    g = _gen()
+    x = _x(m, 512, g=g)
+    wq, xs = _q(256, 512, g=g), _in_scale(x)
+    r = Nvfp4Linear(*wq, input_scale=xs, backend="reference")
+    got = sm100_runners.linear_impl(r)(x)
+    _check(got, reference.nvfp4_linear_ref(x, *wq, act="nvfp4", input_scale=xs))
+
+
+def test_grouped_oproj(emulated_device) -> None:
+    g = _gen()
+    t, grp, d, rr = 9, 2, 256, 128
+    x = _x(t, grp, d, g=g)
+    wq, xs = _q(grp * rr, d, g=g), _in_scale(x)
+    r = Nvfp4GroupedOproj(*wq, input_scale=xs, n_groups=grp, backend="reference")
+    got = sm100_runners.grouped_oproj_impl(r)(x)
+    _check(got, reference.nvfp4_grouped_oproj_ref(x, *wq, act="nvfp4", input_scale=xs))
+
+
+def test_shared_mlp(emulated_device) -> None:
+    g = _gen()
+    h, i, m = 256, 256, 5
+    x = _x(m, h, g=g, scale=3.0)
+    w13, w2 = _q(2 * i, h, g=g), _q(h, i, g=g, scale=0.3)
+    a13, a2 = _in_scale(x), torch.tensor(12.0 / 2688)
+    r = Nvfp4SharedMlp(*w13, a13, *w2, a2, swiglu_limit=LIMIT, backend="reference")
+    got = sm100_runners.shared_mlp_impl(r)(x)
+    want = reference.nvfp4_shared_mlp_ref(x, *w13, *w2, LIMIT, "nvfp4", a13, a2)
+    _check(got, want)
+
+
+def test_moe_uses_max_input_scale(emulated_device) -> None:
+    g = _gen()
+    e, h, i, m, k = 3, 256, 256, 10, 2
+    x = _x(m, h, g=g, scale=2.0)
+    w13, w2 = _q(e, 2 * i, h, g=g, scale=0.3), _q(e, h, i, g=g, scale=0.2)
+    a13 = torch.full((e,), float(_in_scale(x))) * torch.tensor([0.5, 1.0, 0.25])
+    a2 = torch.full((e,), 6.0 / 2688)
+    r = Nvfp4MoE(*w13, a13, *w2, a2, swiglu_limit=LIMIT, backend="reference")
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
+    ids[0, 1] = -1
+    tw = torch.rand(m, k, generator=g)
+    out = torch.full((m, h), float("nan"), dtype=torch.bfloat16)
+    sm100_runners.moe_impl(r)(x, ids, tw, out)
+    want = reference.nvfp4_moe_ref(x, ids, tw, *w13, *w2, LIMIT, "nvfp4", a13.max(), a2.max())
+    _check(out, want)
+
+
+def test_missing_input_scale_is_refused() -> None:
+    r = Nvfp4Linear(*_q(256, 512, g=_gen()), backend="reference")
+    with pytest.raises(ValueError, match="input_scale: the sm100 .* needs the static input scale"):
+        sm100_runners.linear_impl(r)
