@@ -1,0 +1,32 @@
+"""Every CuTeDSL kernel compiles for its arch on this GPU-less machine and shows the expected MMA."""
+
+from __future__ import annotations
+
+import pytest
+
+from cutedsl.kernels.checks import KERNEL_MODULES
+from cutedsl.tools import check_kernels
+
+TARGETS = check_kernels.collect()
+
+
+def test_every_arch_has_targets() -> None:
+    archs = {t.arch for _, t in TARGETS}
+    assert archs == {"sm_90a", "sm_100a"}, archs
+    assert {m for m, _ in TARGETS} == set(KERNEL_MODULES)
+
+
+@pytest.mark.parametrize(("module", "target"), TARGETS, ids=[t.name for _, t in TARGETS])
+def test_compiles_and_shows_instructions(module: str, target: check_kernels.KernelTarget) -> None:
+    r = check_kernels.run_target(module, target)
+    assert r.ok, f"{target.name} ({target.arch}): {r.error or 'missing ' + ', '.join(r.missing)}"
+
+
+def test_a_missing_instruction_fails() -> None:
+    """The check bites: a pattern that cannot occur makes a real compile fail the check."""
+    import dataclasses
+
+    module, target = TARGETS[0]
+    bogus = dataclasses.replace(target, ptx_patterns=(*target.ptx_patterns, r"no_such_instruction"))
+    r = check_kernels.run_target(module, bogus)
+    assert not r.ok and "no_such_instruction" in r.missing

@@ -1,0 +1,287 @@
+"""sm_90a NVFP4 W4A16 GEMM family (cutedsl/kernels/gemm_sm90.py, host side cutedsl/sm90.py).
+
+CPU: every variant compiles for sm_90a and shows wgmma/HGMMA; tactic and prep contracts.
+GPU (sm90): kernel vs fp32 torch math on the same quantized operands (dequantized with
+cutedsl.formats), fresh random data, outputs poisoned with NaN, edge cases and DSv4 shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cutedsl import formats
+from cutedsl import sm90 as S
+from cutedsl.kernels import gemm_sm90
+from cutedsl.tools import check_kernels
+
+TARGETS = gemm_sm90.check_targets()
+
+
+# ------------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=[t.name for t in TARGETS])
+def test_variant_compiles_for_sm90a_with_wgmma(target) -> None:
+    r = check_kernels.run_target("cutedsl.kernels.gemm_sm90", target)
+    assert r.ok, f"{target.name}: {r.error or 'missing ' + ', '.join(r.missing)}"
+
+
+def test_check_targets_cover_every_variant() -> None:
+    names = {t.name for t in TARGETS}
+    assert any("moe_offs" in n for n in names) and any("splitk" in n for n in names)
+    assert all(t.arch == "sm_90a" and "HGMMA" in "".join(t.sass_patterns) for t in TARGETS)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "tile_n", "split_k", "ok"),
+    [
+        (4096, 8192, 128, 1, True),
+        (1536, 4096, 128, 4, True),
+        (1536, 4096, 64, 64, True),
+        (1000, 4096, 64, 1, False),  # N not a multiple of the tile
+        (4096, 4000, 64, 1, False),  # K not a multiple of 64
+        (4096, 4096, 64, 3, False),  # K tiles (64) not divisible by split_k
+    ],
+)
+def test_can_implement(n: int, k: int, tile_n: int, split_k: int, ok: bool) -> None:
+    assert gemm_sm90.Sm90Nvfp4W4A16GemmKernel.can_implement(n, k, tile_n, split_k) is ok
+
+
+def test_choose_tactic_decode_uses_split_k_and_prefill_big_tiles() -> None:
+    tn, tm, sk = S.choose_tactic(1, 1536, 4096, 1)
+    assert (tn, tm) == (64, 16) and sk > 1
+    assert gemm_sm90.Sm90Nvfp4W4A16GemmKernel.can_implement(1536, 4096, tn, sk)
+    assert S.choose_tactic(16384, 4096, 8192, 1) == (128, 128, 1)
+    assert S.choose_tactic(1, 256 * 64, 4096, 1, moe=True)[2] == 1
+
+
+def test_prepare_layout_and_errors() -> None:
+    n, k = 128, 256
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    sf = (torch.rand(n, k // 16) + 0.1).to(torch.float8_e4m3fn)
+    wp = S.prepare_nvfp4_weight(packed, sf, torch.tensor(0.5))
+    assert wp.w.shape == (1, n, k // 2) and wp.sf.shape == (1, k // 16, n)
+    assert torch.equal(wp.sf[0], sf.view(torch.uint8).t())
+    assert wp.gs.tolist() == [0.5]
+    g = S.prepare_nvfp4_weight(packed, sf, 1.0, groups=2)
+    assert g.groups == 2 and g.n == 64 and torch.equal(g.w[1], packed[64:128])
+    with pytest.raises(ValueError, match="b_sf: shape"):
+        S.prepare_nvfp4_weight(packed, sf[:, :-1], 1.0)
+    with pytest.raises(ValueError, match="N=96"):
+        S.prepare_nvfp4_weight(packed[:96], sf[:96], 1.0)
+
+
+# ------------------------------------------------------------------------------------- GPU
+
+
+def _rand_weight(groups: int, n: int, k: int, dev: str = "cuda"):
+    """Random NVFP4 operands: every e2m1 code, e4m3 scales over ~2^-7..2^2, per-group gs."""
+    packed = torch.randint(0, 256, (groups, n, k // 2), dtype=torch.uint8, device=dev)
+    sf = (torch.rand(groups, n, k // 16, device=dev) * 4 + 2**-7).to(torch.float8_e4m3fn)
+    gs = torch.rand(groups, device=dev) * 0.02 + 0.001
+    return packed, sf, gs
+
+
+def _ref(a: torch.Tensor, packed: torch.Tensor, sf: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    w = formats.dequantize_nvfp4(packed, sf, gs, dtype=torch.float32)
+    return a.float() @ w.t()
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert not torch.isnan(out).any(), f"{what}: NaN left in output (an element was not written)"
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
+    if ref.numel() == 0:
+        return
+    err = (out.float() - ref).abs()
+    tol = 8e-3 * ref.abs() + 2e-3 * ref.abs().max().clamp_min(1e-6)
+    bad = err > tol
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} elements off, max err {err.max().item():.4g}, "
+        f"max |ref| {ref.abs().max().item():.4g}, first at {bad.nonzero()[0].tolist()}"
+    )
+
+
+def _poison(shape, dev="cuda") -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=dev)
+
+
+DENSE = [  # (name, N, K)
+    ("small", 256, 512),
+    ("flash.fused_wqa_wkv", 1536, 4096),
+    ("flash.wq_b", 32768, 1024),
+    ("flash.wo_b", 4096, 8192),
+    ("pro.shared_w13", 6144, 7168),
+    ("pro.shared_w2", 7168, 3072),
+]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("m", [0, 1, 7, 127, 129, 300])
+def test_dense_edge_m(m: int) -> None:
+    n, k = 256, 512
+    packed, sf, gs = _rand_weight(1, n, k)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = _poison((m, n))
+    S.sm90_nvfp4_gemm(a, packed[0], sf[0], gs[0], out=out)
+    _assert_close(out, _ref(a, packed[0], sf[0], gs[0]), f"dense M={m}")
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize(("name", "n", "k"), DENSE, ids=[d[0] for d in DENSE])
+@pytest.mark.parametrize("m", [1, 32, 129, 1024])
+def test_dense_dsv4_shapes(name: str, n: int, k: int, m: int) -> None:
+    packed, sf, gs = _rand_weight(1, n, k)
+    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = _poison((m, n))
+    S.sm90_nvfp4_gemm_prepared(a, wp, out=out)
+    _assert_close(out, _ref(a, packed[0], sf[0], gs[0]), f"{name} M={m}")
+
+
+TACTICS = [
+    (64, 16, 1),
+    (64, 16, 4),
+    (128, 32, 2),
+    (64, 64, 1),
+    (128, 128, 1),
+    (128, 256, 1),
+    (64, 8, 1),
+    (128, 24, 1),
+]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("tactic", TACTICS, ids=[f"n{t[0]}m{t[1]}k{t[2]}" for t in TACTICS])
+def test_dense_every_tactic(tactic) -> None:
+    n, k, m = 512, 1024, 77
+    packed, sf, gs = _rand_weight(1, n, k)
+    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = _poison((m, n))
+    S.sm90_nvfp4_gemm_prepared(a, wp, out=out, tactic=tactic)
+    _assert_close(out, _ref(a, packed[0], sf[0], gs[0]), f"tactic {tactic}")
+
+
+@pytest.mark.sm90
+def test_dense_from_quantize_nvfp4() -> None:
+    """Operands produced by the real quantizer (shared checkpoint convention)."""
+    n, k, m = 1536, 4096, 33
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    packed, sf, gs = formats.quantize_nvfp4(w)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = _poison((m, n))
+    S.sm90_nvfp4_gemm(a, packed, sf, gs, out=out)
+    _assert_close(out, _ref(a, packed, sf, gs), "quantize_nvfp4 weights")
+
+
+GROUPED = [("flash.wo_a", 8, 1024, 4096), ("pro.wo_a", 16, 1024, 4096), ("small", 3, 128, 256)]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize(("name", "g", "r", "d"), GROUPED, ids=[x[0] for x in GROUPED])
+@pytest.mark.parametrize("m", [0, 1, 127, 129])
+def test_grouped_equal_groups(name: str, g: int, r: int, d: int, m: int) -> None:
+    packed, sf, gs = _rand_weight(g, r, d)
+    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    a = torch.randn(g, m, d, device="cuda", dtype=torch.bfloat16)
+    out = _poison((g, m, r))
+    S.sm90_nvfp4_grouped_gemm(a, wp, out=out)
+    ref = torch.stack([_ref(a[i], packed[i], sf[i], gs[i]) for i in range(g)])
+    _assert_close(out, ref, f"{name} M={m}")
+
+
+def _moe_case(e: int, n: int, k: int, counts: list[int]):
+    packed, sf, gs = _rand_weight(e, n, k)
+    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    t = sum(counts)
+    offs = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    ref = torch.empty(t, n, device="cuda")
+    o = offs.tolist()
+    for i in range(e):
+        if counts[i]:
+            ref[o[i] : o[i + 1]] = _ref(a[o[i] : o[i + 1]], packed[i], sf[i], gs[i])
+    return wp, offs, a, ref
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [3, 0, 129, 1, 0, 64, 127, 7],  # empty experts, tile edges
+        [0, 0, 0, 300, 0, 0, 0, 0],  # all tokens on one expert
+        [1, 1, 1, 1, 1, 1, 1, 1],
+    ],
+    ids=["mixed_empty", "all_on_one", "one_each"],
+)
+def test_moe_offsets(counts: list[int]) -> None:
+    wp, offs, a, ref = _moe_case(8, 256, 512, counts)
+    out = _poison(ref.shape)
+    S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out)
+    _assert_close(out, ref, f"moe {counts}")
+
+
+@pytest.mark.sm90
+def test_moe_one_compile_serves_every_routing() -> None:
+    """Two routings and two token counts reuse one compiled kernel (no second compile)."""
+    compiles = None
+    for counts in ([5, 0, 9, 2], [0, 40, 0, 1], [0, 0, 0, 0]):
+        wp, offs, a, ref = _moe_case(4, 128, 256, counts)
+        out = _poison(ref.shape)
+        S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out, tactic=(64, 16, 1))
+        _assert_close(out, ref, f"moe {counts}")
+        if compiles is None:
+            compiles = S.compile_count()
+    assert S.compile_count() == compiles
+
+
+MOE_SHAPES = [
+    ("flash.w13", 256, 4096, 4096),
+    ("flash.w2", 256, 4096, 2048),
+    ("pro.w13", 384, 6144, 7168),
+    ("pro.w2", 384, 7168, 3072),
+]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize(("name", "e", "n", "k"), MOE_SHAPES, ids=[x[0] for x in MOE_SHAPES])
+def test_moe_dsv4_shapes(name: str, e: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    counts = torch.zeros(e, dtype=torch.int64)
+    active = torch.randperm(e, generator=g)[:12]
+    counts[active] = torch.randint(0, 70, (12,), generator=g)
+    wp, offs, a, ref = _moe_case(e, n, k, counts.tolist())
+    out = _poison(ref.shape)
+    S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out)
+    _assert_close(out, ref, name)
+
+
+@pytest.mark.sm90
+def test_cuda_graph_capture_replay_moe() -> None:
+    """Capture once, write new routing/data into the same buffers, replay, compare."""
+    e, n, k, t = 8, 256, 512, 96
+    packed, sf, gs = _rand_weight(e, n, k)
+    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    a = torch.empty(t, k, device="cuda", dtype=torch.bfloat16)
+    offs = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
+    out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+
+    def fill(counts):
+        a.copy_(torch.randn(t, k, device="cuda", dtype=torch.bfloat16))
+        offs.copy_(torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32))
+        out.fill_(float("nan"))
+
+    fill([t] + [0] * (e - 1))
+    S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out, tactic=(64, 16, 1))  # warm-up (compile + load)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out, tactic=(64, 16, 1))
+    for counts in ([10, 0, 30, 0, 6, 50, 0, 0], [0] * 7 + [t]):
+        fill(counts)
+        graph.replay()
+        torch.cuda.synchronize()
+        o = offs.tolist()
+        ref = torch.cat([_ref(a[o[i] : o[i + 1]], packed[i], sf[i], gs[i]) for i in range(e)])
+        _assert_close(out, ref, f"graph replay {counts}")
