@@ -1,0 +1,217 @@
+"""Golden reference: HF transformers 5.17.0 `DeepseekV4ForCausalLM` on dequantized weights.
+
+    python -m cutedsl.golden CKPT (--tokens 1,2,3 | --random N [--seed S]) --out logits.pt
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--swa-rope hf|vllm] [--rms]
+
+Loads any checkpoint `cutedsl.tools.tiny_model` writes (native, native-fp8, nvfp4, nvidia-mixed,
+bf16; native or HF names; also the converter's output): every quantized projection is
+dequantized (FP8 block, MXFP4, NVFP4 -> the exact real values), mapped to HF module names by
+`cutedsl.tools.names` (the one mapping) and loaded into the HF model, which nobody on this project
+wrote. The model computes in float32 by default (the dequantized weights are exact in fp32, so
+the only approximations are the HF model's own); `--dtype bfloat16` casts every parameter to
+BF16 (HF 5.17's mixed fp32-norm/bf16 layout does not run: fp32 RMSNorm output meets bf16 q_a_proj).
+
+`--swa-rope vllm` makes the sliding-window (ratio 0) layers use YaRN like vLLM 0.21.0 does
+(deepseek_v4.py:1013-1026 mutates one shared rope dict and applies `deepseek_yarn` to every
+layer), instead of plain RoPE theta=rope_theta as HF and DeepSeek's reference do (reference
+`inference/model.py`: "disable YaRN ... in pure sliding-window attention"). Use it to separate that
+known difference from real bugs.
+
+API: `load_model(ckpt, device, dtype, swa_rope)`, `golden_logits(model, token_ids)` -> float32
+[T, V] (one full causal forward: logits at position t depend on tokens <= t only, so it serves
+prefill and teacher-forced decode positions alike), `layer_rms(model, token_ids)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+import torch
+
+from cutedsl.tools import names as N
+
+__all__ = ["hf_config", "dequantized_state_dict", "load_model", "golden_logits", "layer_rms"]
+
+
+def hf_config(cfg: dict, swa_rope: str = "hf"):
+    """transformers DeepseekV4Config from a checkpoint config.json dict (quantization dropped)."""
+    from transformers import DeepseekV4Config
+
+    c = copy.deepcopy(cfg)
+    for k in ("quantization_config", "expert_dtype", "architectures", "model_type", "torch_dtype"):
+        c.pop(k, None)
+    hc = DeepseekV4Config(**c)
+    hc._attn_implementation = "eager"
+    if swa_rope == "vllm":
+        main = copy.deepcopy(hc.rope_parameters["compress"])
+        main["rope_theta"] = cfg.get("rope_theta", 10000.0)
+        hc.rope_parameters = {"main": main, "compress": hc.rope_parameters["compress"]}
+    elif swa_rope != "hf":
+        raise ValueError(f"swa_rope must be 'hf' or 'vllm', got {swa_rope!r}")
+    return hc
+
+
+def dequantized_state_dict(
+    ckpt: str, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """HF-named state dict of checkpoint `ckpt` with every projection dequantized to `dtype`.
+
+    Floating non-projection tensors (norms, mHC, sinks, ape, gate bias, embed, head) are cast to
+    `dtype` too; tid2eid stays int64. Experts are fused as HF stores them:
+    gate_up_proj [E, 2I, H] = cat(w1, w3), down_proj [E, H, I].
+    """
+    from cutedsl.tools.quantize import Checkpoint, read_linear
+    from cutedsl.tools.tiny_model import tensor_specs
+
+    ck = Checkpoint(ckpt)
+    cfg = ck.config
+    sd: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+
+    def sname(native: str) -> str:
+        return N.to_scheme(native, ck.scheme)
+
+    for s in tensor_specs(cfg):
+        if s.kind == "linear":
+            w = read_linear(ck, sname(s.name)).to(dtype)
+            if s.role == "expert":  # layers.L.ffn.experts.E.wX
+                parts = s.name.split(".")
+                layer, e, which = int(parts[1]), int(parts[4]), parts[5]
+                experts.setdefault((layer, which), {})[e] = w
+                continue
+            sd[N.native_to_hf(f"{s.name}.weight")] = w
+        elif s.kind == "bf16_linear":
+            sd[N.native_to_hf(f"{s.name}.weight")] = ck.get(sname(f"{s.name}.weight")).to(dtype)
+        else:
+            t = ck.get(sname(s.name))
+            sd[N.native_to_hf(s.name)] = t if s.kind == "tid2eid" else t.to(dtype)
+    E = cfg["n_routed_experts"]
+    for layer in range(cfg["num_hidden_layers"]):
+        w1, w3, w2 = (experts[(layer, w)] for w in ("w1", "w3", "w2"))
+        sd[N.hf_expert_param(layer, "gate_up_proj")] = torch.stack(
+            [torch.cat([w1[e], w3[e]], dim=0) for e in range(E)]
+        )
+        sd[N.hf_expert_param(layer, "down_proj")] = torch.stack([w2[e] for e in range(E)])
+    return sd
+
+
+def load_model(
+    ckpt: str, device: str = "cpu", dtype: torch.dtype = torch.float32, swa_rope: str = "hf"
+):
+    """HF DeepseekV4ForCausalLM holding the dequantized weights of `ckpt`, eval mode, on device.
+
+    Every parameter and persistent buffer is loaded from the checkpoint (strict); raises
+    RuntimeError naming missing/unexpected keys otherwise.
+    """
+    from transformers import DeepseekV4ForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from cutedsl.tools.quantize import Checkpoint
+
+    cfg = Checkpoint(ckpt).config
+    hc = hf_config(cfg, swa_rope)
+    sd = dequantized_state_dict(ckpt, dtype)
+    prev = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with no_init_weights(), torch.device(device):
+            model = DeepseekV4ForCausalLM(hc)
+    finally:
+        torch.set_default_dtype(prev)
+    res = model.load_state_dict(sd, strict=False)
+    # Non-persistent rotary buffers are recomputed by the model itself.
+    missing = [k for k in res.missing_keys if "rotary_emb" not in k]
+    if missing or res.unexpected_keys:
+        raise RuntimeError(
+            f"golden: checkpoint {ckpt} does not fill the HF model: missing {missing[:8]} "
+            f"({len(missing)}), unexpected {res.unexpected_keys[:8]} ({len(res.unexpected_keys)})"
+        )
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def _ids(token_ids, device) -> torch.Tensor:
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
+    if ids.ndim != 1:
+        raise ValueError(f"token_ids: shape {tuple(ids.shape)}, expected [T]")
+    return ids[None]
+
+
+@torch.no_grad()
+def golden_logits(model, token_ids) -> torch.Tensor:
+    """float32 logits [T, V] for token ids [T] (one causal forward, no cache)."""
+    dev = next(model.parameters()).device
+    out = model(input_ids=_ids(token_ids, dev), use_cache=False)
+    return out.logits[0].float()
+
+
+@torch.no_grad()
+def layer_rms(model, token_ids) -> dict[str, float]:
+    """RMS of the residual streams after each decoder layer, of each MoE block output, and of
+    the final normed hidden state (checks that activations neither blow up nor collapse)."""
+    rec: dict[str, float] = {}
+    hooks = []
+
+    def mk(name):
+        def hook(mod, inp, out):
+            o = out[0] if isinstance(out, tuple) else out
+            rec[name] = float(o.float().pow(2).mean().sqrt())
+
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_hook(mk(f"layer{i}.residual")))
+        hooks.append(layer.self_attn.register_forward_hook(mk(f"layer{i}.attn_out")))
+        hooks.append(layer.mlp.register_forward_hook(mk(f"layer{i}.moe_out")))
+    hooks.append(model.model.norm.register_forward_hook(mk("final_norm")))
+    try:
+        logits = golden_logits(model, token_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    rec["logits_std"] = float(logits.std())
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m cutedsl.golden",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("ckpt")
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--tokens", help="comma-separated token ids")
+    g.add_argument("--random", type=int, metavar="N", help="N random token ids in [2, vocab)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="torch.save {'token_ids', 'logits'} here")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--swa-rope", default="hf", choices=("hf", "vllm"))
+    ap.add_argument("--rms", action="store_true", help="print per-layer activation RMS")
+    a = ap.parse_args(argv)
+    model = load_model(a.ckpt, a.device, getattr(torch, a.dtype), a.swa_rope)
+    if a.tokens:
+        ids = [int(t) for t in a.tokens.split(",") if t.strip()]
+    else:
+        gen = torch.Generator().manual_seed(a.seed)
+        ids = torch.randint(2, model.config.vocab_size, (a.random,), generator=gen).tolist()
+    if a.rms:
+        for k, v in layer_rms(model, ids).items():
+            print(f"{k:24s} {v:.4f}")
+    logits = golden_logits(model, ids)
+    if a.out:
+        torch.save({"token_ids": ids, "logits": logits.cpu()}, a.out)
+    top = logits.argmax(-1)
+    print(
+        f"T={len(ids)} V={logits.shape[-1]} logits std {logits.std():.4f}, "
+        f"greedy next tokens (last 8 positions) {top[-8:].tolist()}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
