@@ -67,6 +67,11 @@ from .utils import (
     maybe_prefix,
 )
 
+from cutedsl.vllm.checks import checked_load  # CuTeDSL NVFP4 hooks
+from cutedsl.vllm.names import HF_TO_NATIVE_REGEX
+from cutedsl.vllm.quant import dsv4_quant_config, nvfp4_moe_method_for_fp8_config
+from cutedsl.vllm.shared_mlp import shared_mlp_method
+
 _DEEPSEEK_V4_EXPERT_DTYPES = ("fp4", "fp8")
 
 
@@ -113,8 +118,11 @@ class DeepseekV4MLP(nn.Module):
             self.act_fn = SiluAndMulWithClamp(swiglu_limit)
         else:
             self.act_fn = SiluAndMul()
+        self.quant_method = shared_mlp_method(self, swiglu_limit)
 
     def forward(self, x):
+        if self.quant_method is not None:  # CuTeDSL fused NVFP4 shared expert
+            return self.quant_method.apply(self, x)
         gate_up, _ = self.gate_up_proj(x)
         x = self.act_fn(gate_up)
         x, _ = self.down_proj(x)
@@ -144,6 +152,7 @@ class DeepseekV4FP8Config(Fp8Config):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._resolved_expert_dtype: str | None = None
+        self.moe_quant_algo: str | None = None  # "NVFP4": NVIDIA's mixed checkpoints
         # ``is_scale_e8m0`` is a property that resolves on first read,
         # by which time the current vllm_config has been set.
 
@@ -181,6 +190,12 @@ class DeepseekV4FP8Config(Fp8Config):
         return "deepseek_v4_fp8"
 
     @classmethod
+    def from_config(cls, config: dict) -> "DeepseekV4FP8Config":
+        quant_config = super().from_config(config)
+        quant_config.moe_quant_algo = config.get("moe_quant_algo")
+        return quant_config
+
+    @classmethod
     def override_quantization_method(
         cls, hf_quant_cfg, user_quant, hf_config=None
     ) -> QuantizationMethods | None:
@@ -202,6 +217,8 @@ class DeepseekV4FP8Config(Fp8Config):
                 fused_mapping=self.packed_modules_mapping,
             ):
                 return UnquantizedFusedMoEMethod(layer.moe_config)
+            if self.moe_quant_algo == "NVFP4":
+                return nvfp4_moe_method_for_fp8_config(layer)
             if self.expert_dtype == "fp4":
                 return Mxfp4MoEMethod(layer.moe_config)
             # expert_dtype == "fp8": fall through to Fp8Config which
@@ -717,7 +734,7 @@ class DeepseekV4MoE(nn.Module):
 
         self.tp_size = get_tensor_model_parallel_world_size()
         config = vllm_config.model_config.hf_config
-        quant_config = vllm_config.quant_config
+        quant_config = dsv4_quant_config(vllm_config)
         self.prefix = prefix
         self.use_mega_moe = (
             vllm_config.kernel_config.moe_backend == "deep_gemm_mega_moe"
@@ -934,7 +951,7 @@ class DeepseekV4Attention(nn.Module):
     ):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        quant_config = vllm_config.quant_config
+        quant_config = dsv4_quant_config(vllm_config)
         layer_id = extract_layer_index(prefix)
 
         self.layer_id = layer_id
@@ -1008,7 +1025,7 @@ class DeepseekV4Attention(nn.Module):
             prefix=f"{prefix}.wo_b",
         )
         self.softmax_scale = self.head_dim**-0.5
-        self.scale_fmt = config.quantization_config["scale_fmt"]
+        self.scale_fmt = (getattr(config, "quantization_config", None) or {}).get("scale_fmt")
 
         self.rope_parameters = config.rope_scaling
 
@@ -1604,7 +1621,7 @@ def _make_deepseek_v4_weights_mapper(expert_dtype: str) -> WeightsMapper:
             "hc_head": "model.hc_head",
             "mtp.": "model.mtp.",
         },
-        orig_to_new_regex=scale_regex,
+        orig_to_new_regex={**HF_TO_NATIVE_REGEX, **scale_regex},
         orig_to_new_suffix={
             "head.weight": "lm_head.weight",
             "embed.weight": "embed_tokens.weight",
@@ -1679,7 +1696,7 @@ class DeepseekV4ForCausalLM(nn.Module, SupportsPP):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self, skip_substrs=["mtp."])
-        loaded_params = loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        loaded_params = checked_load(self, loader, weights, self.hf_to_vllm_mapper)
         self.model.finalize_mega_moe_weights()
         return loaded_params
 

@@ -34,6 +34,8 @@ from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
     rocm_sparse_attn_prefill,
 )
 
+from cutedsl.vllm.oproj import is_nvfp4_oproj, nvfp4_oproj  # CuTeDSL NVFP4 wo_a
+
 if TYPE_CHECKING:
     from vllm.v1.attention.backends.mla.sparse_swa import (
         DeepseekSparseSWAMetadata,
@@ -319,6 +321,11 @@ class DeepseekV4MultiHeadLatentAttentionWrapper(PluggableLayer):
                 self.o_lora_rank,
                 self.wo_a,
             )
+            return self.wo_b(z.flatten(1))
+
+        # NVFP4 wo_a: BF16 inverse RoPE + CuTeDSL grouped o-projection + wo_b
+        if is_nvfp4_oproj(self.wo_a):
+            z = nvfp4_oproj(self.wo_a, o, positions, self.rotary_emb.cos_sin_cache)
             return self.wo_b(z.flatten(1))
 
         # O projection: inverse RoPE + FP8 quant + einsum + wo_b

@@ -1,0 +1,11 @@
+"""Adapters between vLLM 0.21.0 and the cutedsl runners, used by the two overlaid DSv4 files.
+
+Imported only inside a vLLM process (they import vLLM); the math lives in the runners.
+  quant        which quant config / methods a DSv4 layer gets (the dispatch the overlay calls)
+  linear_kernel  `CuTeDSLNvFp4LinearKernel` (an `NvFp4LinearKernel`) + its `LinearMethod`
+  oproj        wo_a: inverse RoPE -> grouped NVFP4 o-projection (deepseek_v4_attention.py hook)
+  shared_mlp   the shared expert's fused runner (a `QuantizeMethodBase` on `DeepseekV4MLP`)
+  moe_experts  `CuTeDSLMoEExperts` (a `FusedMoEExpertsModular`) + its `FusedMoEMethod`
+  names        HF-transformers / ModelOpt tensor names -> DeepSeek native names (mapper rules)
+  checks       loading: name the tensor behind a loader error; fail on missing NVFP4 tensors
+"""

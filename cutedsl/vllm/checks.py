@@ -1,0 +1,105 @@
+"""Loading checks for DSv4 checkpoints: name the tensor a loader error is about; for models with
+our NVFP4 layers, fail on any parameter or expert tensor the checkpoint did not provide.
+
+Hook in `DeepseekV4ForCausalLM.load_weights` (deepseek_v4.py), in place of
+`loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)`:
+    loaded_params = checked_load(self, loader, weights, self.hf_to_vllm_mapper)
+A loader error keeps its type and message (upstream behaviour) and gets a note naming the
+checkpoint tensor, its shape and dtype. vLLM 0.21.0 does not track missing weights for quantized
+models (default_loader.py: only when `quantization is None`), so a missing NVFP4 tensor would
+silently leave `torch.empty` memory; for models with our methods `checked_load` raises a
+ValueError naming every missing parameter (and, for routed experts, which it tracks per expert,
+every missing checkpoint tensor). FP8 / MXFP4 / BF16 models get only the note (upstream otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import regex as re
+import torch
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
+
+from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod
+from cutedsl.vllm.moe_experts import CuTeDSLModelOptNvFp4FusedMoE
+from cutedsl.vllm.names import HF_TO_NATIVE_REGEX
+
+# Created by upstream vLLM 0.21.0, absent from DeepSeek's checkpoints, unused in forward.
+UNLOADED_UPSTREAM = (".indexer.k_norm.",)
+_EXPERT_NAME = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(\w+)$")
+_NVFP4_LEAVES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+
+
+def _native(name: str) -> str:
+    for pattern, repl in HF_TO_NATIVE_REGEX.items():
+        if pattern.search(name):
+            return pattern.sub(repl, name)
+    return name
+
+
+class _Tracked:
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._weights = weights
+        self.current: tuple[str, torch.Tensor] | None = None
+        self.seen: set[str] = set()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self._weights:
+            self.current = (name, tensor)
+            self.seen.add(name)
+            yield name, tensor
+        self.current = None
+
+
+def _missing(model: torch.nn.Module, loaded: set[str], seen: set[str]) -> list[str]:
+    missing = []
+    expert_layers: dict[int, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "quant_method", None), CuTeDSLModelOptNvFp4FusedMoE):
+            expert_layers[int(name.split(".layers.")[1].split(".")[0])] = module.global_num_experts
+    for name, _ in model.named_parameters():
+        if name in loaded or any(s in name for s in UNLOADED_UPSTREAM):
+            continue
+        missing.append(name)
+    native = {_native(n) for n in seen}
+    for layer, n_experts in sorted(expert_layers.items()):
+        for e in range(n_experts):
+            for w in ("w1", "w3", "w2"):
+                for leaf in _NVFP4_LEAVES:
+                    n = f"layers.{layer}.ffn.experts.{e}.{w}.{leaf}"
+                    if n not in native:
+                        missing.append(n)
+    return missing
+
+
+def _uses_ours(model: torch.nn.Module) -> bool:
+    ours = (CuTeDSLNvFp4LinearMethod, CuTeDSLModelOptNvFp4FusedMoE)
+    return any(isinstance(getattr(m, "quant_method", None), ours) for m in model.modules())
+
+
+def checked_load(
+    model: torch.nn.Module,
+    loader: AutoWeightsLoader,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    mapper: WeightsMapper,
+) -> set[str]:
+    """`loader.load_weights(weights, mapper=mapper)` with the checks of the module docstring."""
+    tracked = _Tracked(weights)
+    try:
+        loaded = loader.load_weights(tracked, mapper=mapper)
+    except Exception as e:
+        if tracked.current is not None:
+            name, t = tracked.current
+            e.add_note(
+                f"while loading checkpoint tensor {name!r} (shape {list(t.shape)}, dtype "
+                f"{str(t.dtype).removeprefix('torch.')})"
+            )
+        raise
+    if _uses_ours(model):
+        missing = _missing(model, loaded, tracked.seen)
+        if missing:
+            more = f", ... ({len(missing)} in all)" if len(missing) > 20 else ""
+            raise ValueError(
+                f"DeepSeek V4 NVFP4 checkpoint is missing tensors: {', '.join(missing[:20])}{more}"
+            )
+    return loaded

@@ -1,0 +1,50 @@
+"""Which quantization DSv4's layers get (called from the overlaid deepseek_v4.py).
+
+- Full ModelOpt NVFP4 checkpoints (`quant_method: modelopt`, `quant_algo: NVFP4`) resolve, as
+  upstream, to `ModelOptNvFp4Config`. `dsv4_quant_config` gives DeepseekV4Attention / DeepseekV4MoE
+  a copy of it whose `LinearMethodCls` is `CuTeDSLNvFp4LinearMethod` and whose
+  `FusedMoEMethodCls` is `nvfp4_moe_method` (`CuTeDSLModelOptNvFp4FusedMoE` for `--moe-backend
+  auto`). These two attributes are ModelOptQuantConfigBase's own override points;
+  `get_quant_method` stays upstream's, so `ignore` / `exclude_modules` work unchanged.
+- NVIDIA's mixed checkpoints (`quant_method: fp8` + `moe_quant_algo: NVFP4`) resolve to
+  `DeepseekV4FP8Config`; its routed experts get `nvfp4_moe_method_for_fp8_config` (FP8 block
+  linears everywhere else, upstream).
+- Anything else (native FP8 + MXFP4, FP8 experts, bf16 / no quantization, W4A16_NVFP4) is returned
+  as is: upstream behaviour exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.fused_moe import FusedMoE
+from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod
+from cutedsl.vllm.moe_experts import nvfp4_moe_method
+
+
+def dsv4_quant_config(vllm_config: VllmConfig) -> QuantizationConfig | None:
+    """The quant config DSv4's attention and MoE modules build their layers with."""
+    qc = vllm_config.quant_config
+    if type(qc) is not ModelOptNvFp4Config or qc.quant_method != "NVFP4":
+        return qc  # W4A16_NVFP4 keeps upstream's Marlin method
+    ours = copy.copy(qc)
+    ours.LinearMethodCls = CuTeDSLNvFp4LinearMethod
+    ours.FusedMoEMethodCls = nvfp4_moe_method  # called as (quant_config=, moe_config=)
+    return ours
+
+
+@functools.cache
+def _nvfp4_experts_config() -> ModelOptNvFp4Config:
+    return ModelOptNvFp4Config("NVFP4", is_checkpoint_nvfp4_serialized=True, group_size=16)
+
+
+def nvfp4_moe_method_for_fp8_config(layer: FusedMoE) -> QuantizeMethodBase:
+    """Routed experts of a `quant_method: fp8, moe_quant_algo: NVFP4` checkpoint: per expert
+    `weight` u8, `weight_scale` e4m3 (blocks of 16), `weight_scale_2`, `input_scale` f32."""
+    return nvfp4_moe_method(_nvfp4_experts_config(), layer.moe_config)

@@ -1,0 +1,707 @@
+"""The overlaid DSv4 model on the real pinned vLLM 0.21.0, on CPU: build, load, dispatch, adapters.
+
+A subprocess (`python tests/test_vllm_integration.py --harness OUT.json --workdir DIR`, about a
+minute on 2 cores) generates tiny checkpoints of every format with `cutedsl.tools.tiny_model`,
+builds `DeepseekV4ForCausalLM` from each (the overlay installed by apply_patches.sh), loads the
+checkpoint, post-processes our layers with the runners' reference backend and checks them against
+torch math written here from the checkpoint tensors; the tests below assert on its JSON report.
+A second one (`--pristine`) builds the FP8 checkpoints with upstream's own two files (imported
+from the pristine copies) for an exact comparison.
+A subprocess because vLLM binds `current_platform` at import time: the harness must pick the CPU
+platform before anything imports vLLM.
+
+Test-only shims in the harness, none in vLLM or cutedsl code (this box has no GPU and no vllm._C):
+  - `current_platform` = vLLM's `CpuPlatform` (the venv's vLLM is a CUDA build);
+  - `torch.cuda.Stream` / `torch.cuda.Event` stand-ins (DeepseekV4Model makes 3 aux streams, the
+    attention wrapper 4 events, at construction);
+  - `CpuPlatform.get_device_capability` = (9, 0) during construction (the wrapper asserts a CUDA
+    capability to pick its fp8_einsum recipe);
+  - `vllm.model_executor.layers.mhc` imported with `is_cuda_alike` True (it decorates TileLang
+    kernels at import; nothing is compiled);
+  - FP8 / MXFP4 formats only: `CPUFp8BlockScaledMMKernel.is_supported` True (needs AMX here) and
+    the DSv4 MXFP4 MoE backend = MARLIN (what the H200 picks) so upstream's own methods can be
+    constructed; their weights are loaded but not post-processed (that needs vllm._C);
+  - `--pristine` only: a meta-path finder importing the two DSv4 modules from
+    <vllm>/.cutedsl_pristine/.
+Not testable here: forward passes through vLLM ops (attention, mHC, router top-k: vllm._C /
+TileLang / DeepGEMM), the sm90/sm100 backends, CUDA graphs and torch.compile of the model.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Small but complete: layer 0 = SWA + hash MoE, 1 = C4 + indexer + hash MoE, 2 = C128 + scored MoE.
+TINY = {"hidden_size": 1024, "n_routed_experts": 8, "num_experts_per_tok": 4}
+LAYERS = 3
+CASES = ("nvfp4/native", "nvfp4/hf", "nvidia-mixed/native", "native/native", "bf16/native")
+BROKEN = ("nvfp4/native:missing", "nvfp4/native:badshape", "nvfp4/native:marlin")
+PRISTINE_CASES = ("native/native", "nvidia-mixed/native")
+# Created by upstream vLLM, absent from DeepSeek's checkpoints and never used in forward
+# (research/vllm021_dsv4.md §1.1): not expected to be filled.
+UNLOADED_UPSTREAM = (".indexer.k_norm.",)
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness (runs in the subprocess)
+# ---------------------------------------------------------------------------------------------
+
+
+class _FakeCudaObject:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+
+def _setup_cpu_vllm():
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    if platforms._current_platform is not None:
+        raise RuntimeError(f"vLLM platform already resolved: {platforms._current_platform}")
+    platforms._current_platform = CpuPlatform()
+    from unittest import mock
+
+    with mock.patch.object(CpuPlatform, "is_cuda_alike", classmethod(lambda cls: True)):
+        import vllm.model_executor.layers.mhc  # noqa: F401
+    return CpuPlatform
+
+
+def _construction_shims(fmt: str):
+    from contextlib import ExitStack
+    from unittest import mock
+
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel
+    from vllm.model_executor.layers.fused_moe.oracle import mxfp4 as mxfp4_oracle
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.platforms.interface import DeviceCapability
+
+    stack = ExitStack()
+    stack.enter_context(mock.patch("torch.cuda.Stream", _FakeCudaObject))
+    stack.enter_context(mock.patch("torch.cuda.Event", _FakeCudaObject))
+    stack.enter_context(
+        mock.patch.object(
+            CpuPlatform,
+            "get_device_capability",
+            classmethod(lambda cls, device_id=0: DeviceCapability(9, 0)),
+        )
+    )
+    if fmt in ("native", "nvidia-mixed"):
+        stack.enter_context(
+            mock.patch.object(
+                CPUFp8BlockScaledMMKernel,
+                "is_supported",
+                classmethod(lambda cls, compute_capability=None: (True, None)),
+            )
+        )
+        marlin = mxfp4_oracle.Mxfp4MoeBackend.MARLIN
+        stack.enter_context(
+            mock.patch(
+                "vllm.model_executor.layers.quantization.mxfp4."
+                "select_deepseek_v4_mxfp4_moe_backend",
+                lambda cfg: (marlin, mxfp4_oracle.backend_to_kernel_cls(marlin)[0]),
+            )
+        )
+    return stack
+
+
+def _vllm_config(ckpt: str, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        **kwargs,
+        model=ckpt,
+        skip_tokenizer_init=True,
+        kv_cache_dtype="fp8",
+        max_model_len=1024,
+        max_num_batched_tokens=1024,
+        enforce_eager=True,
+        dtype="bfloat16",  # as on the GPU (on the CPU platform "auto" may pick float32)
+    ).create_engine_config()
+
+
+def _init_distributed(vc, tmp: str) -> None:
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return
+    ps.init_distributed_environment(
+        world_size=1, rank=0, local_rank=0,
+        distributed_init_method=f"file://{tmp}/dist", backend="gloo",
+    )  # fmt: skip
+    ps.initialize_model_parallel(1, 1)
+    import torch
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    init_workspace_manager(torch.device("cpu"))  # as the worker does; the MoE kernel uses it
+
+
+def _poison(model) -> None:
+    """Fill every parameter's bytes with 0xFF (NaN for every float dtype, -1 for ints)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            assert p.data.is_contiguous(), name
+            p.data.view(torch.uint8).fill_(0xFF)
+
+
+def _unfilled(model, n_heads: int) -> list[str]:
+    """Parameters with a row (last dim) still all 0xFF bytes after loading."""
+    import torch
+
+    bad = []
+    for name, p in model.named_parameters():
+        if any(s in name for s in UNLOADED_UPSTREAM):
+            continue
+        t = p.data
+        if name.endswith("attn_sink"):
+            t = t[:n_heads]  # padded to 64 heads with -inf, by design
+        b = t.contiguous().view(torch.uint8)
+        b = b.reshape(-1, b.shape[-1]) if b.ndim else b.reshape(1, 1)
+        if bool((b == 0xFF).all(dim=-1).any()):
+            bad.append(name)
+    return bad
+
+
+def _method_names(model) -> dict[str, str]:
+    out = {}
+    for name, mod in model.named_modules():
+        if ".layers." in name and not any(f".layers.{i}." in name for i in range(LAYERS)):
+            continue
+        qm = getattr(mod, "quant_method", None)
+        if qm is None:
+            continue
+        desc = type(qm).__name__
+        kernel = getattr(qm, "kernel", None)
+        if kernel is not None:
+            desc += "/" + type(kernel).__name__
+        out[name] = desc
+    return out
+
+
+def _ckpt_tensors(ckpt: str) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(glob.glob(f"{ckpt}/*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _deq(ck: dict):
+    import torch
+
+    from cutedsl import formats
+
+    def deq(name: str) -> torch.Tensor:  # native module name -> fp32 [N, K]
+        return formats.dequantize_nvfp4(
+            ck[f"{name}.weight"], ck[f"{name}.weight_scale"], ck[f"{name}.weight_scale_2"],
+            dtype=torch.float32,
+        )  # fmt: skip
+
+    return deq
+
+
+def _mlp_ref(x, w1, w3, w2, limit):
+    import torch.nn.functional as F
+
+    h, u = x.float() @ w1.T, x.float() @ w3.T
+    if limit is not None:
+        h, u = h.clamp(max=limit), u.clamp(-limit, limit)
+    return (F.silu(h) * u) @ w2.T
+
+
+def _moe_numerics(model, ck: dict, cfg: dict) -> dict:
+    """Routed experts of a hash-routed (0) and a score-routed (2) layer, through the FusedMoE
+    method -> vLLM's modular kernel (prepare / CuTeDSLMoEExperts / finalize), vs torch math."""
+    import torch
+
+    deq, g, res = _deq(ck), torch.Generator().manual_seed(2), {}
+    H, L, layers = cfg["hidden_size"], cfg["swiglu_limit"], model.model.layers
+    # Routed experts of a hash-routed (0) and a score-routed (2) layer, through the FusedMoE
+    # method -> vLLM's modular kernel (prepare / CuTeDSLMoEExperts / finalize).
+    E, k = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    for li in (0, 2):
+        xm = (8 * torch.randn(9, H, generator=g)).bfloat16()
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(9)]).int()
+        wts = torch.rand(9, k, generator=g)
+        exp_mod = layers[li].ffn.experts
+        out = exp_mod.quant_method.apply(exp_mod, xm, wts, ids, None)
+        ref = torch.zeros(9, H)
+        ref_nc = torch.zeros(9, H)
+        for e in range(E):
+            p = f"layers.{li}.ffn.experts.{e}"
+            we = [deq(f"{p}.{n}") for n in ("w1", "w3", "w2")]
+            sel = ids == e
+            rows = sel.any(dim=1)
+            if rows.any():
+                wsum = (wts * sel).sum(dim=1)[rows, None]
+                ref[rows] += wsum * _mlp_ref(xm[rows], *we, L)
+                ref_nc[rows] += wsum * _mlp_ref(xm[rows], *we, None)
+        res[f"moe_layer{li}"] = _rel(out, ref)
+        res[f"moe_layer{li}_vs_unclamped"] = _rel(out, ref_nc)
+        res[f"moe_layer{li}_nan"] = float(out.float().isnan().any())
+    return res
+
+
+def _numerics(model, ck: dict, cfg: dict) -> dict:
+    """Our adapters (reference backend) vs torch math on the dequantized checkpoint tensors."""
+    import torch
+
+    from cutedsl.vllm.oproj import nvfp4_oproj
+
+    deq = _deq(ck)
+
+    g = torch.Generator().manual_seed(1)
+    H, NH, G, R = (
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["o_groups"],
+        cfg["o_lora_rank"],
+    )
+    L = cfg["swiglu_limit"]
+    res: dict[str, float] = {}
+    layers = model.model.layers
+
+    # Attention projections, through vLLM's LinearBase.forward -> our kernel.
+    x = torch.randn(7, H, generator=g).bfloat16()
+    attn = layers[1].attn
+    y, _ = attn.fused_wqa_wkv(x)
+    w = torch.cat([deq("layers.1.attn.wq_a"), deq("layers.1.attn.wkv")])
+    res["fused_wqa_wkv"] = _rel(y, x.float() @ w.T)
+    qr = torch.randn(5, cfg["q_lora_rank"], generator=g).bfloat16()
+    res["wq_b"] = _rel(attn.wq_b(qr), qr.float() @ deq("layers.1.attn.wq_b").T)
+    iq, _ = attn.indexer.wq_b(qr)
+    res["indexer.wq_b"] = _rel(iq, qr.float() @ deq("layers.1.attn.indexer.wq_b").T)
+    z = torch.randn(5, G * R, generator=g).bfloat16()
+    res["wo_b"] = _rel(attn.wo_b(z), z.float() @ deq("layers.1.attn.wo_b").T)
+
+    # wo_a: inverse RoPE (GPT-J pairs in the last 64 dims, conjugate rotation) -> grouped GEMM.
+    T = 6
+    o = torch.randn(T, NH, 512, generator=g).bfloat16()
+    pos = torch.randint(0, 4096, (T,), generator=g)
+    cache = attn.rotary_emb.cos_sin_cache
+    res["cos_sin_cache_is_f32"] = float(cache.dtype == torch.float32)
+    cos, sin = cache[pos].float().chunk(2, dim=-1)  # [T, 32] each
+    rope = o[..., 448:].float().unflatten(-1, (32, 2))
+    y0, y1 = rope[..., 0], rope[..., 1]
+    c, s = cos[:, None], sin[:, None]
+    unrot = torch.stack([y0 * c + y1 * s, y1 * c - y0 * s], dim=-1).flatten(-2)
+    xo = torch.cat([o[..., :448].float(), unrot], dim=-1).bfloat16().float().view(T, G, -1)
+    wa = deq("layers.1.attn.wo_a").view(G, R, -1)
+    z_exp = torch.einsum("tgd,grd->tgr", xo, wa)
+    z = nvfp4_oproj(attn.wo_a, o, pos, cache)
+    res["wo_a"] = _rel(z, z_exp)
+    res["wo_a_vs_no_inverse_rope"] = _rel(
+        z, torch.einsum("tgd,grd->tgr", o.float().view(T, G, -1), wa)
+    )
+
+    # Shared expert (clamped SwiGLU), through DeepseekV4MLP.forward -> our fused runner.
+    xs = (8 * torch.randn(9, H, generator=g)).bfloat16()  # |gate|, |up| often > 10: clamp bites
+    se = "layers.0.ffn.shared_experts"
+    sw = [deq(f"{se}.{n}") for n in ("w1", "w3", "w2")]
+    ys = layers[0].ffn.shared_experts(xs)
+    res["shared_mlp"] = _rel(ys, _mlp_ref(xs, *sw, L))
+    res["shared_mlp_vs_unclamped"] = _rel(ys, _mlp_ref(xs, *sw, None))
+    res.update(_moe_numerics(model, ck, cfg))
+
+    return res
+
+
+# Tensors the broken-checkpoint variants drop or reshape.
+DROPPED = ("layers.1.attn.wo_a.weight_scale", "layers.2.ffn.experts.3.w3.weight_scale_2")
+RESHAPED = "layers.1.attn.wq_b.weight"
+
+
+def _broken_load(model, weights, variant: str) -> dict:
+    if variant == "missing":
+        weights = ((n, t) for n, t in weights if n not in DROPPED)
+    elif variant == "badshape":
+        weights = ((n, t[:-16] if n == RESHAPED else t) for n, t in weights)
+    else:
+        raise ValueError(variant)
+    try:
+        model.load_weights(weights)
+    except Exception as e:
+        return {"raised": type(e).__name__, "message": str(e), "notes": getattr(e, "__notes__", [])}
+    return {"raised": None}
+
+
+def _run_case(case: str, tmp: str) -> dict:
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    from cutedsl.tools import names as N
+    from cutedsl.tools import tiny_model
+
+    case, _, variant = case.partition(":")
+    fmt, names = case.split("/")
+    ckpt = f"{tmp}/{fmt}-{names}"
+    if os.path.exists(ckpt):
+        cfg = json.load(open(f"{ckpt}/config.json"))
+    else:
+        cfg = tiny_model.generate(ckpt, fmt, names, overrides=TINY, layers=LAYERS)
+    vc = _vllm_config(ckpt, **({"moe_backend": "marlin"} if variant == "marlin" else {}))
+    rep: dict = {"quant_config": type(vc.quant_config).__name__}
+    with set_current_vllm_config(vc):
+        _init_distributed(vc, tmp)
+        from vllm.model_executor.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+        from cutedsl.vllm.quant import dsv4_quant_config
+
+        rep["dispatch_is_upstream_config"] = dsv4_quant_config(vc) is vc.quant_config
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        # as vLLM's BaseModelLoader.load_model: default dtype, then the model on the target device
+        with _construction_shims(fmt), set_default_torch_dtype(vc.model_config.dtype):
+            with torch.device("cpu"):
+                if variant == "marlin":  # upstream's oracle decides; it has no CPU backend
+                    try:
+                        DeepseekV4ForCausalLM(vllm_config=vc, prefix="")
+                    except Exception as e:
+                        return {"raised": type(e).__name__, "message": str(e)}
+                    return {"raised": None}
+                model = DeepseekV4ForCausalLM(vllm_config=vc, prefix="")
+        rep["methods"] = _method_names(model)
+        _poison(model)
+        files = sorted(glob.glob(f"{ckpt}/*.safetensors"))
+        weights = safetensors_weights_iterator(files, False)
+        if variant:
+            return _broken_load(model, weights, variant)
+        loaded = model.load_weights(weights)
+        rep["n_ckpt_tensors"] = len(_ckpt_tensors(ckpt))
+        rep["n_loaded"] = len(loaded)
+        rep["unfilled"] = _unfilled(model, cfg["num_attention_heads"])
+        rep["params"] = {
+            n: [str(p.dtype).removeprefix("torch."), list(p.shape)]
+            for n, p in model.named_parameters()
+        }
+        if fmt in ("nvfp4", "nvidia-mixed"):
+            from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod
+            from cutedsl.vllm.moe_experts import CuTeDSLModelOptNvFp4FusedMoE
+            from cutedsl.vllm.oproj import is_nvfp4_oproj
+            from cutedsl.vllm.shared_mlp import CuTeDSLSharedMlpMethod
+
+            ours = (CuTeDSLNvFp4LinearMethod, CuTeDSLSharedMlpMethod, CuTeDSLModelOptNvFp4FusedMoE)
+            for _, mod in model.named_modules():  # vLLM's loop, restricted to our methods
+                if isinstance(getattr(mod, "quant_method", None), ours):
+                    mod.quant_method.process_weights_after_loading(mod)
+            rep["wo_a_is_nvfp4_oproj"] = [
+                is_nvfp4_oproj(lyr.attn.wo_a) for lyr in model.model.layers
+            ]
+            rep["fused_experts"] = [
+                type(lyr.ffn.experts.quant_method.moe_kernel.fused_experts).__name__
+                for lyr in model.model.layers
+            ]
+            rep["runners"] = {
+                n: f"{type(r).__name__}:{r.backend}"
+                for n, mod in model.named_modules()
+                if (r := getattr(mod, "cutedsl_runner", None)) is not None
+            }
+            ck = _ckpt_tensors(ckpt)
+            if names == "hf":
+                ck = {N.hf_to_native(k): v for k, v in ck.items()}
+            if fmt == "nvfp4":
+                rep["numerics"] = _numerics(model, ck, cfg)
+            else:
+                rep["numerics"] = _moe_numerics(model, ck, cfg)
+        else:
+            from cutedsl.vllm.oproj import is_nvfp4_oproj
+
+            rep["wo_a_is_nvfp4_oproj"] = [
+                is_nvfp4_oproj(lyr.attn.wo_a) for lyr in model.model.layers
+            ]
+    return rep
+
+
+class _PristineFinder:
+    """Import the two DSv4 modules from the pristine upstream copies apply_patches.sh keeps in
+    <vllm>/.cutedsl_pristine/ (test-only meta-path finder; the installed overlay is untouched)."""
+
+    MODULES = {
+        "vllm.model_executor.models.deepseek_v4": "model_executor/models/deepseek_v4.py",
+        "vllm.model_executor.layers.deepseek_v4_attention": (
+            "model_executor/layers/deepseek_v4_attention.py"
+        ),
+    }
+
+    def __init__(self) -> None:
+        import importlib.util
+
+        root = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])
+        self.files = {m: root / ".cutedsl_pristine" / rel for m, rel in self.MODULES.items()}
+        missing = [str(f) for f in self.files.values() if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"pristine copies not found (overlay not applied?): {missing}")
+
+    def find_spec(self, name, path, target=None):
+        import importlib.util
+
+        f = self.files.get(name)
+        return importlib.util.spec_from_file_location(name, f) if f is not None else None
+
+
+def _harness(out: str, cases: list[str], workdir: str, pristine: bool) -> None:
+    os.environ.setdefault("CUTEDSL_BACKEND", "reference")
+    if pristine:
+        sys.meta_path.insert(0, _PristineFinder())
+    _setup_cpu_vllm()
+    report = {}
+    for case in cases:
+        try:
+            report[case] = _run_case(case, workdir)
+        except Exception as e:  # reported per case; the test prints it
+            import traceback
+
+            report[case] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+    if pristine:
+        import vllm.model_executor.models.deepseek_v4 as dsv4
+
+        report["pristine_module_file"] = dsv4.__file__
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm_cpu")
+
+
+def _run_harness(workdir: Path, name: str, cases: tuple[str, ...], *flags: str) -> dict:
+    out = workdir / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, __file__, "--harness", str(out), "--workdir", str(workdir), *flags,
+         *cases],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def report(workdir: Path) -> dict:
+    return _run_harness(workdir, "overlay", CASES + BROKEN)
+
+
+@pytest.fixture(scope="module")
+def pristine_report(workdir: Path, report: dict) -> dict:
+    """Upstream's own DSv4 files on the same checkpoints (generated by `report`)."""
+    return _run_harness(workdir, "pristine", PRISTINE_CASES, "--pristine")
+
+
+def _case(report: dict, case: str) -> dict:
+    rep = report[case]
+    assert "error" not in rep, f"{case}: {rep.get('error')}\n{rep.get('tb')}"
+    return rep
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_builds_and_loads_every_parameter(report: dict, case: str) -> None:
+    rep = _case(report, case)
+    assert rep["unfilled"] == [], f"{case}: parameters not filled by the checkpoint"
+    assert rep["n_loaded"] > 0
+
+
+def _nvfp4_linear(params: dict, prefix: str) -> None:
+    assert params[f"{prefix}.weight"][0] == "uint8", prefix
+    assert params[f"{prefix}.weight_scale"][0] == "float8_e4m3fn", prefix
+    assert params[f"{prefix}.weight_scale_2"][0] == "float32", prefix
+    assert params[f"{prefix}.input_scale"][0] == "float32", prefix
+
+
+@pytest.mark.parametrize("case", ["nvfp4/native", "nvfp4/hf"])
+def test_nvfp4_selects_our_methods_and_dtypes(report: dict, case: str) -> None:
+    rep = _case(report, case)
+    assert rep["quant_config"] == "ModelOptNvFp4Config"
+    assert rep["dispatch_is_upstream_config"] is False
+    m, p = rep["methods"], rep["params"]
+    ours = "CuTeDSLNvFp4LinearMethod/CuTeDSLNvFp4LinearKernel"
+    for li in range(LAYERS):
+        a, f = f"model.layers.{li}.attn", f"model.layers.{li}.ffn"
+        for lin in ("fused_wqa_wkv", "wq_b", "wo_a", "wo_b"):
+            assert m[f"{a}.{lin}"] == ours, (lin, m[f"{a}.{lin}"])
+            _nvfp4_linear(p, f"{a}.{lin}")
+        assert m[f"{f}.shared_experts"] == "CuTeDSLSharedMlpMethod"
+        assert m[f"{f}.experts"] == "CuTeDSLModelOptNvFp4FusedMoE"
+        assert m[f"{f}.gate"] == "UnquantizedLinearMethod"
+        assert p[f"{f}.experts.w13_weight"][0] == "uint8"
+        assert p[f"{f}.experts.w13_weight_scale"][0] == "float8_e4m3fn"
+    assert m["model.layers.1.attn.indexer.wq_b"] == ours
+    assert m["model.layers.1.attn.indexer.weights_proj"] == "UnquantizedLinearMethod"
+    assert m["model.layers.1.attn.mla_attn.compressor.fused_wkv_wgate"] == "UnquantizedLinearMethod"
+    assert rep["wo_a_is_nvfp4_oproj"] == [True] * LAYERS
+    assert rep["fused_experts"] == ["CuTeDSLMoEExperts"] * LAYERS
+    r = rep["runners"]
+    assert r["model.layers.0.attn.wo_a"] == "Nvfp4GroupedOproj:reference"
+    assert r["model.layers.0.attn.wq_b"] == "Nvfp4Linear:reference"
+    assert r["model.layers.0.ffn.shared_experts"] == "Nvfp4SharedMlp:reference"
+    assert r["model.layers.0.ffn.experts"] == "Nvfp4MoE:reference"
+    # the fused shared expert's two linears build no runner of their own
+    assert "model.layers.0.ffn.shared_experts.gate_up_proj" not in r
+
+
+def test_hf_names_load_like_native(report: dict) -> None:
+    """Same parameters (names, dtypes, shapes) from the HF/ModelOpt-named checkpoint."""
+    nat, hf = _case(report, "nvfp4/native"), _case(report, "nvfp4/hf")
+    assert hf["params"] == nat["params"]
+    assert hf["n_loaded"] == nat["n_loaded"]
+
+
+def test_nvidia_mixed_fp8_attention_nvfp4_experts(report: dict) -> None:
+    rep = _case(report, "nvidia-mixed/native")
+    assert rep["quant_config"] == "DeepseekV4FP8Config"
+    assert rep["dispatch_is_upstream_config"] is True
+    m, p = rep["methods"], rep["params"]
+    for li in range(LAYERS):
+        a, f = f"model.layers.{li}.attn", f"model.layers.{li}.ffn"
+        assert m[f"{a}.wo_a"].startswith("Fp8LinearMethod"), m[f"{a}.wo_a"]
+        assert p[f"{a}.wo_a.weight"][0] == "float8_e4m3fn"
+        assert p[f"{a}.wo_a.weight_scale_inv"][0] == "float8_e8m0fnu"
+        assert m[f"{f}.shared_experts.gate_up_proj"].startswith("Fp8LinearMethod")
+        assert m[f"{f}.experts"] == "CuTeDSLModelOptNvFp4FusedMoE"
+        assert p[f"{f}.experts.w13_weight_scale"][0] == "float8_e4m3fn"
+        assert p[f"{f}.experts.w2_input_scale"][0] == "float32"
+    assert rep["wo_a_is_nvfp4_oproj"] == [False] * LAYERS
+    assert rep["fused_experts"] == ["CuTeDSLMoEExperts"] * LAYERS
+
+
+def test_native_fp8_mxfp4_is_upstream(report: dict) -> None:
+    rep = _case(report, "native/native")
+    assert rep["quant_config"] == "DeepseekV4FP8Config"
+    assert rep["dispatch_is_upstream_config"] is True
+    m = rep["methods"]
+    assert not any("CuTeDSL" in v for v in m.values()), m
+    assert m["model.layers.2.ffn.experts"] == "Mxfp4MoEMethod"
+    assert m["model.layers.2.attn.wo_a"].startswith("Fp8LinearMethod")
+    assert "model.layers.0.ffn.shared_experts" not in m  # no fused shared-expert method
+    assert rep["wo_a_is_nvfp4_oproj"] == [False] * LAYERS
+
+
+def test_bf16_builds_unquantized(report: dict) -> None:
+    """No quantization_config: pristine 0.21.0 dies on quantization_config["scale_fmt"]."""
+    rep = _case(report, "bf16/native")
+    assert not any("CuTeDSL" in v for v in rep["methods"].values())
+    assert rep["params"]["model.layers.0.attn.wo_a.weight"][0] == "bfloat16"
+
+
+def test_nvfp4_adapters_match_dequantized_math(report: dict) -> None:
+    """Reference backend through our adapters vs torch math on the checkpoint's dequantized
+    weights: catches wrong tensors, swapped w1/w3, lost global scales, a missing clamp, the
+    wrong RoPE direction or group order."""
+    num = _case(report, "nvfp4/native")["numerics"]
+    assert num["cos_sin_cache_is_f32"] == 1.0
+    for k in ("fused_wqa_wkv", "wq_b", "indexer.wq_b", "wo_b", "wo_a", "shared_mlp", "moe_layer0",
+              "moe_layer2"):  # fmt: skip
+        assert num[k] < 2e-2, (k, num[k])
+    assert num["wo_a_vs_no_inverse_rope"] > 0.02, num["wo_a_vs_no_inverse_rope"]
+    for k in ("shared_mlp_vs_unclamped", "moe_layer0_vs_unclamped", "moe_layer2_vs_unclamped"):
+        assert num[k] > 0.1, (k, num[k])  # the clamp matters for these inputs: it is applied
+    assert num["moe_layer0_nan"] == 0.0 and num["moe_layer2_nan"] == 0.0
+
+
+def test_nvidia_mixed_experts_match_dequantized_math(report: dict) -> None:
+    num = _case(report, "nvidia-mixed/native")["numerics"]
+    assert num["moe_layer0"] < 2e-2 and num["moe_layer2"] < 2e-2, num
+    assert num["moe_layer0_vs_unclamped"] > 0.1 and num["moe_layer2_vs_unclamped"] > 0.1, num
+
+
+def test_hf_named_checkpoint_matches_dequantized_math(report: dict) -> None:
+    """HF/ModelOpt names land in the right parameters (w1/w3 not swapped, shared w2 -> down)."""
+    num = _case(report, "nvfp4/hf")["numerics"]
+    for k in ("fused_wqa_wkv", "wq_b", "wo_a", "wo_b", "shared_mlp", "moe_layer0", "moe_layer2"):
+        assert num[k] < 2e-2, (k, num[k])
+
+
+def test_missing_tensor_is_named(report: dict) -> None:
+    """vLLM 0.21.0 does not track missing weights of quantized models: without the check, a
+    dropped NVFP4 tensor leaves torch.empty memory in the parameter."""
+    rep = report["nvfp4/native:missing"]
+    assert rep["raised"] == "ValueError", rep
+    assert "model.layers.1.attn.wo_a.weight_scale" in rep["message"], rep["message"]
+    assert "layers.2.ffn.experts.3.w3.weight_scale_2" in rep["message"], rep["message"]
+
+
+def test_wrong_shape_is_named(report: dict) -> None:
+    rep = report["nvfp4/native:badshape"]
+    assert rep["raised"] is not None, rep
+    assert any(RESHAPED in n for n in rep["notes"]), rep
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvidia-mixed", "native", "native-fp8", "bf16"])
+def test_name_rules_hf_to_native_and_native_untouched(fmt: str) -> None:
+    """In-process, no vLLM: the mapper's HF rules equal `cutedsl.tools.names.hf_to_native` on
+    every HF name, and match no native name (so native checkpoints map exactly as upstream)."""
+    from cutedsl.tools import names as N
+    from cutedsl.tools import tiny_model
+    from cutedsl.vllm.names import HF_TO_NATIVE_REGEX
+
+    def mapped(name: str) -> str:
+        for pattern, repl in HF_TO_NATIVE_REGEX.items():  # WeightsMapper._map_name's loop
+            if pattern.search(name):
+                name = pattern.sub(repl, name)
+        return name
+
+    cfg = tiny_model.make_config("tiny", fmt, overrides=TINY, layers=LAYERS)
+    native = list(tiny_model.expected_tensors(cfg, fmt, "native"))
+    for n in native:
+        assert not any(p.search(n) for p in HF_TO_NATIVE_REGEX), n
+        assert mapped(N.native_to_hf(n)) == n, (N.native_to_hf(n), mapped(N.native_to_hf(n)))
+
+
+def test_explicit_upstream_moe_backend_goes_to_upstream_oracle(report: dict) -> None:
+    """--moe-backend marlin: the experts get upstream's ModelOptNvFp4FusedMoE, whose oracle then
+    refuses Marlin on this CPU (on a GPU it would run Marlin, without the clamp)."""
+    rep = report["nvfp4/native:marlin"]
+    assert rep["raised"] == "ValueError", rep
+    assert "NvFp4 MoE backend 'MARLIN' does not support" in rep["message"], rep["message"]
+
+
+def test_native_matches_pristine_upstream(report: dict, pristine_report: dict) -> None:
+    """Native FP8 + MXFP4: the overlay builds the same parameters (names, dtypes, shapes) with the
+    same quant methods as vLLM 0.21.0's own files, and loads the same parameter set."""
+    assert pristine_report["pristine_module_file"].endswith(
+        ".cutedsl_pristine/model_executor/models/deepseek_v4.py"
+    ), pristine_report["pristine_module_file"]
+    ours, up = _case(report, "native/native"), _case(pristine_report, "native/native")
+    assert ours["methods"] == up["methods"]
+    assert ours["params"] == up["params"]
+    assert ours["n_loaded"] == up["n_loaded"] and ours["unfilled"] == up["unfilled"] == []
+
+
+def test_pristine_cannot_load_nvidia_mixed(pristine_report: dict) -> None:
+    """The regression the mixed-checkpoint dispatch fixes: upstream routes the NVFP4 experts to
+    MXFP4 parameters and fails loading them."""
+    err = pristine_report["nvidia-mixed/native"].get("error", "")
+    assert err.startswith("KeyError") and ".ffn.experts." in err, err
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="the CPU vLLM harness of this test file")
+    ap.add_argument("--harness", required=True, metavar="OUT.json")
+    ap.add_argument("--workdir", required=True, help="checkpoints are generated (or reused) here")
+    ap.add_argument("--pristine", action="store_true", help="upstream's DSv4 files, not ours")
+    ap.add_argument("cases", nargs="*")
+    a = ap.parse_args()
+    _harness(a.harness, a.cases or [*CASES, *BROKEN], a.workdir, a.pristine)
