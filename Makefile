@@ -18,12 +18,12 @@ $(STAMP): requirements.txt
 	rm -f $(VENV)/.cutedsl-pins-* && touch $@
 
 test: setup lint   ## what CI runs: lint, then every CPU test (GPU tests skip with the reason)
-	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests   # sm90/sm100 tests collect and skip with the reason
 
 test-cpu: test
 
-test-gpu: setup   ## on a GPU machine: the GPU tests only
-	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
+test-gpu: setup   ## on a GPU machine: the GPU tests only (SM100 ones skip on Hopper and vice versa)
+	$(PY) -m pytest -q -m "gpu or sm90 or sm100" $(PYTEST_ARGS) tests
 
 lint:
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

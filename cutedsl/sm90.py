@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 _BK = 64
+# Token tiles verified on the H200 (2026-12-02); others are refused before compiling.
+TILE_M_VERIFIED = (16, 32, 64, 128, 256)
 _NUM_SMS_H200 = 132
 
 
@@ -194,6 +196,12 @@ def _launch(
         m_eff = max(1, 2 * -(-m // wp.groups)) if moe else m
         tactic = choose_tactic(m_eff, wp.n, k, wp.groups, moe)
     tile_n, tile_m, split_k = tactic
+    if tile_m not in TILE_M_VERIFIED:
+        # H200, 2026-12-02: tile_m 8 gave wrong results and tile_m 24 aborted the process in
+        # cute.compile (bench/results/logs/h200_2026-12-02_test_gemm_sm90_every_tactic_abort.log).
+        raise ValueError(
+            f"tactic {tactic}: tile_m {tile_m} not in {TILE_M_VERIFIED} (verified on H200)"
+        )
     if moe and split_k != 1:
         raise NotImplementedError("split-K with MoE offsets is not wired on the host")
     fn = _compiled(tile_n, tile_m, split_k, moe)

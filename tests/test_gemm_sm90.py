@@ -146,9 +146,18 @@ TACTICS = [
     (64, 64, 1),
     (128, 128, 1),
     (128, 256, 1),
-    (64, 8, 1),
-    (128, 24, 1),
 ]
+
+
+@pytest.mark.parametrize("tile_m", [8, 24])
+def test_unverified_token_tiles_are_refused(tile_m: int) -> None:
+    """Regression: on the H200 (2026-12-02) tile_m 8 gave wrong results and tile_m 24 aborted the
+    process inside cute.compile; a forced tactic with such a tile must raise, not compile."""
+    packed, sf, gs = _rand_weight(1, 512, 1024, dev="cpu")
+    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    a = torch.zeros(3, 1024, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"tile_m {tile_m} not in"):
+        S.sm90_nvfp4_gemm_prepared(a, wp, tactic=(64, tile_m, 1))
 
 
 @pytest.mark.sm90
