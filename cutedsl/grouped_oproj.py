@@ -16,6 +16,8 @@ from cutedsl.runner import Runner, check_tensor, scalar_f32
 
 
 class Nvfp4GroupedOproj(Runner):
+    kind = "grouped_oproj"
+
     def __init__(
         self,
         weight: torch.Tensor,  # (G*R, D//2) uint8 e2m1x2
@@ -48,19 +50,6 @@ class Nvfp4GroupedOproj(Runner):
         self.input_scale = scalar_f32("input_scale", input_scale, dev)
         self.out_dtype = out_dtype
         self._setup(dev, backend)
-
-    def _make_impl(self, backend: str):
-        if backend == "reference":
-            return self._reference
-        if backend == "sm90":
-            from cutedsl import sm90_runners
-
-            return sm90_runners.grouped_oproj_impl(self)
-        if backend == "sm100":
-            from cutedsl import sm100_runners
-
-            return sm100_runners.grouped_oproj_impl(self)
-        raise self._unavailable(backend, "nvfp4_grouped_oproj")
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         y = reference.nvfp4_grouped_oproj_ref(

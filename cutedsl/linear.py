@@ -19,6 +19,8 @@ from cutedsl.runner import Runner, check_tensor, scalar_f32
 
 
 class Nvfp4Linear(Runner):
+    kind = "linear"
+
     def __init__(
         self,
         weight: torch.Tensor,  # (N, K//2) uint8 e2m1x2, K-major
@@ -44,19 +46,6 @@ class Nvfp4Linear(Runner):
         self.input_scale = scalar_f32("input_scale", input_scale, dev)
         self.out_dtype = out_dtype
         self._setup(dev, backend)
-
-    def _make_impl(self, backend: str):
-        if backend == "reference":
-            return self._reference
-        if backend == "sm90":
-            from cutedsl import sm90_runners
-
-            return sm90_runners.linear_impl(self)
-        if backend == "sm100":
-            from cutedsl import sm100_runners
-
-            return sm100_runners.linear_impl(self)
-        raise self._unavailable(backend, "nvfp4_linear")
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         y = reference.nvfp4_linear_ref(x, self.weight, self.weight_scale, self.weight_scale_2)

@@ -35,6 +35,8 @@ def route(topk_ids: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 class Nvfp4MoE(Runner):
+    kind = "moe"
+
     def __init__(
         self,
         w13: torch.Tensor,  # (E, 2I, H//2) uint8
@@ -67,19 +69,6 @@ class Nvfp4MoE(Runner):
         self.w2_input_scale = per_expert_f32("w2_input_scale", w2_input_scale, self.e, dev)
         self.swiglu_limit = swiglu_limit
         self._setup(dev, backend)
-
-    def _make_impl(self, backend: str):
-        if backend == "reference":
-            return self._reference
-        if backend == "sm90":
-            from cutedsl import sm90_runners
-
-            return sm90_runners.moe_impl(self)
-        if backend == "sm100":
-            from cutedsl import sm100_runners
-
-            return sm100_runners.moe_impl(self)
-        raise self._unavailable(backend, "nvfp4_moe")
 
     def _reference(self, x, topk_ids, topk_weights, out) -> None:
         y = reference.nvfp4_moe_ref(

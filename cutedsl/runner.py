@@ -63,9 +63,11 @@ def per_expert_f32(
 
 
 class Runner:
-    """Base: subclasses set their static facts, call `_setup(device, backend)`, and implement
-    `_make_impl(backend)` returning a callable that runs one call on that backend."""
+    """Base: subclasses set their static facts and `kind` (the stem of their backend factories
+    `sm90_runners.<kind>_impl` / `sm100_runners.<kind>_impl`), define `_reference`, and call
+    `_setup(device, backend)`."""
 
+    kind: str
     id: int
     backend: str
     device: torch.device
@@ -78,7 +80,16 @@ class Runner:
         self.id = ops.register(self)
 
     def _make_impl(self, backend: str):
-        raise NotImplementedError
+        """A callable with `run`'s signature for `backend`; GPU backends prepare weights here."""
+        if backend == "reference":
+            return self._reference
+        if backend == "sm90":
+            from cutedsl import sm90_runners as impls
+        elif backend == "sm100":
+            from cutedsl import sm100_runners as impls
+        else:
+            raise BackendUnavailableError(f"cutedsl backend {backend!r} has no {self.kind} kernel")
+        return getattr(impls, f"{self.kind}_impl")(self)
 
     def warmup(self, max_tokens: int) -> None:
         """Compile every kernel this runner will need for up to `max_tokens` rows (all CUDA-graph
@@ -86,7 +97,3 @@ class Runner:
         warm = getattr(self._impl, "warmup", None)
         if warm is not None:
             warm(max_tokens)
-
-    @staticmethod
-    def _unavailable(backend: str, what: str) -> BackendUnavailableError:
-        return BackendUnavailableError(f"cutedsl backend {backend!r} has no kernel for {what} yet")

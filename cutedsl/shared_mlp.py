@@ -15,6 +15,8 @@ from cutedsl.runner import Runner, check_tensor, scalar_f32
 
 
 class Nvfp4SharedMlp(Runner):
+    kind = "shared_mlp"
+
     def __init__(
         self,
         w13: torch.Tensor,  # (2I, H//2) uint8
@@ -50,19 +52,6 @@ class Nvfp4SharedMlp(Runner):
         self.swiglu_limit = swiglu_limit
         self.out_dtype = out_dtype
         self._setup(dev, backend)
-
-    def _make_impl(self, backend: str):
-        if backend == "reference":
-            return self._reference
-        if backend == "sm90":
-            from cutedsl import sm90_runners
-
-            return sm90_runners.shared_mlp_impl(self)
-        if backend == "sm100":
-            from cutedsl import sm100_runners
-
-            return sm100_runners.shared_mlp_impl(self)
-        raise self._unavailable(backend, "nvfp4_shared_mlp")
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         y = reference.nvfp4_shared_mlp_ref(
