@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Upstream baseline: pristine vLLM 0.21.0 on the tiny native DSv4 checkpoint vs the golden reference.
 
+With `--format nvfp4|nvidia-mixed` and our overlay applied, the same comparison checks our NVFP4
+path end to end (the JSON records the sha256 of the deepseek_v4.py that ran).
+
     python bench/upstream_baseline.py --out bench/results/upstream_baseline_h200.json \
         [--ckpt DIR] [--hidden 2048] [--modes eager,graph] [--decode 16] [--prompt-lens 17,300]
         [--hooks] [--no-mhc-check] [--timeout 420]
@@ -363,6 +366,12 @@ def main() -> int:
     ap.add_argument(
         "--hidden", type=int, default=2048, help="tiny preset hidden size (1024 reproduces §8)"
     )
+    ap.add_argument(
+        "--format",
+        default="native",
+        choices=["native", "nvfp4", "nvidia-mixed"],
+        help="tiny checkpoint to generate; nvfp4/nvidia-mixed need our overlay applied (issue 8)",
+    )
     ap.add_argument("--modes", default="eager,graph")
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--prompt-lens", default="17,300")
@@ -412,11 +421,11 @@ def main() -> int:
     if args.ckpt is None:
         from cutedsl.tools.tiny_model import generate
 
-        args.ckpt = f"/tmp/tiny_dsv4_native_h{args.hidden}"
+        args.ckpt = f"/tmp/tiny_dsv4_{args.format}_h{args.hidden}"
         t0 = time.time()
         generate(
             args.ckpt,
-            "native",
+            args.format,
             "native",
             "tiny",
             seed=0,
