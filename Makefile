@@ -31,7 +31,7 @@ lint:
 format:
 	$(PY) -m ruff check --fix . && $(PY) -m ruff format .
 
-diff: setup   ## our overlays against the pristine upstream files (review this, not whole files)
+diff: $(STAMP)   ## our overlays against the pristine upstream files (review this, not whole files)
 	@PYTHON=$(PY) bash apply_patches.sh --diff
 
 patch-check:
