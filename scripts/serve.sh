@@ -22,12 +22,13 @@ fi
 EXTRA=()
 if [ -z "$MODEL" ]; then
     MODEL=${TINY_DIR:-$HERE/checkpoints/tiny-nvfp4}
-    if [ ! -f "$MODEL/config.json" ]; then
+    if [ ! -f "$MODEL/config.json" ] || [ ! -f "$MODEL/tokenizer.json" ]; then
         echo "serve.sh: generating the tiny full-NVFP4 DeepSeek V4 checkpoint in $MODEL"
-        "$PYTHON" -m cutedsl.tools.tiny_model "$MODEL" --format nvfp4
+        "$PYTHON" -m cutedsl.tools.tiny_model "$MODEL" --format nvfp4 --force
     fi
-    # The tiny checkpoint has no tokenizer: clients send token ids.
-    EXTRA+=(--skip-tokenizer-init --max-model-len 4096)
+    # Random weights with a byte-level tokenizer (cutedsl.tools.tiny_tokenizer): text, chat and
+    # token-id prompts all work; the answers are noise.
+    EXTRA+=(--max-model-len 4096)
 else
     [ -f "$MODEL/config.json" ] || { echo "serve.sh: error: $MODEL/config.json not found" >&2; exit 1; }
     EXTRA+=(--tokenizer-mode deepseek_v4 --tool-call-parser deepseek_v4 --enable-auto-tool-choice

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from cutedsl.tools import names as N
+from cutedsl.tools import tiny_tokenizer
 
 __all__ = [
     "PRESETS",
@@ -701,8 +702,11 @@ def generate(
     force: bool = False,
     progress: bool = False,
     max_shard_bytes: int = 2 << 30,
+    tokenizer: bool | None = None,
 ) -> dict:
-    """Generate a checkpoint into `out`; returns its config."""
+    """Generate a checkpoint into `out`; returns its config. tokenizer: also write the byte-level
+    tiny tokenizer (cutedsl.tools.tiny_tokenizer), so servers take text and chat requests; None
+    writes it when the vocabulary is large enough (>= 265 ids) and warns otherwise."""
     if scheme not in ("native", "hf"):
         raise ValueError(f"unknown naming scheme {scheme!r}; expected 'native' or 'hf'")
     cfg = make_config(preset, fmt, overrides, layers)
@@ -711,7 +715,18 @@ def generate(
         print(f"warning: {hazard}", file=sys.stderr)
     with torch.no_grad():
         it = _iter_tensors(cfg, fmt, seed, torch.device(device), progress)
-        write_checkpoint(out, cfg, it, scheme=scheme, max_shard_bytes=max_shard_bytes, force=force)
+        if tokenizer is None:
+            tokenizer = cfg["vocab_size"] >= tiny_tokenizer.MIN_VOCAB
+            if not tokenizer:
+                print(
+                    f"warning: vocab_size {cfg['vocab_size']}: no tokenizer written",
+                    file=sys.stderr,
+                )
+        extra = tiny_tokenizer.tokenizer_files(cfg["vocab_size"]) if tokenizer else None
+        write_checkpoint(
+            out, cfg, it, scheme=scheme, max_shard_bytes=max_shard_bytes, force=force,
+            extra_files=extra,
+        )  # fmt: skip
     return cfg
 
 
@@ -743,6 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="where to generate/quantize (cpu, cuda)")
     ap.add_argument("--max-shard-gb", type=float, default=2.0)
     ap.add_argument("--force", action="store_true", help="replace an existing OUT")
+    ap.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     ap.add_argument("--list", action="store_true", help="print the tensor table and exit")
     a = ap.parse_args(argv)
     overrides = _parse_overrides(a.config)
@@ -769,6 +785,7 @@ def main(argv: list[str] | None = None) -> int:
         a.force,
         progress=True,
         max_shard_bytes=int(a.max_shard_gb * 2**30),
+        tokenizer=False if a.no_tokenizer else None,
     )
     print(
         f"wrote {a.preset} ({cfg['num_hidden_layers']} layers, H={cfg['hidden_size']}) "
