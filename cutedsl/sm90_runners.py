@@ -98,17 +98,8 @@ class _MoE:
         sm90.warmup(sorted(t))
 
 
-def linear_impl(r) -> _Linear:
-    return _Linear(r)
-
-
-def grouped_oproj_impl(r) -> _GroupedOproj:
-    return _GroupedOproj(r)
-
-
-def shared_mlp_impl(r) -> _SharedMlp:
-    return _SharedMlp(r)
-
-
-def moe_impl(r) -> _MoE:
-    return _MoE(r)
+# The factories `Runner._make_impl` looks up by the runner's kind.
+linear_impl = _Linear
+grouped_oproj_impl = _GroupedOproj
+shared_mlp_impl = _SharedMlp
+moe_impl = _MoE

@@ -26,20 +26,34 @@ _LUT_LO_A = 0xC0800000
 _LUT_LO_B = 0xC0804000
 
 
-def _asm_i32(args: list, text: str, constraints: str, *, loc=None, ip=None) -> Int32:
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Int32(a).ir_value(loc=loc, ip=ip) for a in args],
-            text,
-            constraints,
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
+def asm(
+    ret_type,
+    operands: list,
+    text: str,
+    constraints: str,
+    *,
+    side_effects: bool = False,
+    loc=None,
+    ip=None,
+):
+    """One inline-PTX statement (AT&T dialect): `operands` are IR values, `ret_type` an IR type or
+    None. The one place our kernels call `llvm.inline_asm`."""
+    return llvm.inline_asm(
+        ret_type,
+        operands,
+        text,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
     )
+
+
+def _asm_i32(args: list, text: str, constraints: str, *, loc=None, ip=None) -> Int32:
+    ops = [Int32(a).ir_value(loc=loc, ip=ip) for a in args]
+    return Int32(asm(T.i32(), ops, text, constraints, loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -108,14 +122,12 @@ def st_shared_v4_b32(
     addr: Int32, v0: Int32, v1: Int32, v2: Int32, v3: Int32, *, loc=None, ip=None
 ) -> None:
     """16-byte store to a shared-memory byte address (16-byte aligned)."""
-    llvm.inline_asm(
+    asm(
         None,
         [Int32(x).ir_value(loc=loc, ip=ip) for x in (addr, v0, v1, v2, v3)],
         "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
         "r,r,r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        side_effects=True,
         loc=loc,
         ip=ip,
     )

@@ -39,8 +39,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8, Uint32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from cutedsl.kernels.device_utils import asm
 
 BLOCK = 16
 THREADS = 256
@@ -52,7 +53,7 @@ def _cvt_e2m1x8(v0, v1, v2, v3, v4, v5, v6, v7, *, loc=None, ip=None) -> Uint32:
     args = [Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3, v4, v5, v6, v7)]
     # cvt.*.e2m1x2 puts its first source in the upper nibble: pass (odd, even).
     return Uint32(
-        llvm.inline_asm(
+        asm(
             T.i32(),
             args,
             "{\n.reg .b8 b0, b1, b2, b3;\n"
@@ -62,9 +63,6 @@ def _cvt_e2m1x8(v0, v1, v2, v3, v4, v5, v6, v7, *, loc=None, ip=None) -> Uint32:
             "cvt.rn.satfinite.e2m1x2.f32 b3, $8, $7;\n"
             "mov.b32 $0, {b0, b1, b2, b3};\n}",
             "=r,f,f,f,f,f,f,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc,
             ip=ip,
         )
@@ -75,16 +73,13 @@ def _cvt_e2m1x8(v0, v1, v2, v3, v4, v5, v6, v7, *, loc=None, ip=None) -> Uint32:
 def _cvt_e4m3(v, *, loc=None, ip=None) -> Uint32:
     """fp32 -> e4m3 (round to nearest even, saturate to +-448) as the low byte of a word."""
     return Uint32(
-        llvm.inline_asm(
+        asm(
             T.i32(),
             [Float32(v).ir_value(loc=loc, ip=ip)],
             "{\n.reg .b16 h;\n.reg .b32 z;\nmov.b32 z, 0;\n"
             "cvt.rn.satfinite.e4m3x2.f32 h, z, $1;\n"
             "cvt.u32.u16 $0, h;\n}",
             "=r,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc,
             ip=ip,
         )
@@ -95,7 +90,7 @@ def _cvt_e4m3(v, *, loc=None, ip=None) -> Uint32:
 def _e4m3_to_f32(bits, *, loc=None, ip=None) -> Float32:
     """Low byte of `bits` (an e4m3 code) -> fp32 (exact)."""
     return Float32(
-        llvm.inline_asm(
+        asm(
             T.f32(),
             [Uint32(bits).ir_value(loc=loc, ip=ip)],
             "{\n.reg .b16 lo, hi;\n.reg .b32 h2;\n.reg .f16 f;\n"
@@ -104,9 +99,6 @@ def _e4m3_to_f32(bits, *, loc=None, ip=None) -> Float32:
             "mov.b32 {f, hi}, h2;\n"
             "cvt.f32.f16 $0, f;\n}",
             "=f,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc,
             ip=ip,
         )
