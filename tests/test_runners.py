@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nvfp4_data import bf16, fresh_gen, quantized
 
 from cutedsl import formats, ops
 from cutedsl.backends import BackendUnavailableError, select_backend
@@ -15,12 +16,6 @@ from cutedsl.moe import Nvfp4MoE
 from cutedsl.shared_mlp import Nvfp4SharedMlp
 
 LIMIT = 10.0
-
-
-def _qweight(*shape: int, gen: torch.Generator, scale: float = 1.0):
-    w = torch.randn(*shape, generator=gen) * scale
-    gs = formats.global_scale_from_amax(w.abs().amax(dim=(-2, -1))) if len(shape) == 3 else None
-    return formats.quantize_nvfp4(w, gs)
 
 
 def _deq64(packed, sf, gs) -> torch.Tensor:
@@ -34,12 +29,7 @@ def _clamped_swiglu64(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def gen() -> torch.Generator:
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh data each run
-    return g
-
-
-def _bf16(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+    return fresh_gen()
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -52,9 +42,9 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("m", [1, 7, 129])
 def test_linear_matches_float64(m: int, gen: torch.Generator) -> None:
     n, k = 96, 256
-    wq = _qweight(n, k, gen=gen)
+    wq = quantized(n, k, gen=gen)
     lin = Nvfp4Linear(*wq, input_scale=torch.tensor(0.01), backend="reference")
-    x = _bf16(m, k, gen=gen)
+    x = bf16(m, k, gen=gen)
     _close(lin(x), x.double() @ _deq64(*wq).T)
 
 
@@ -62,9 +52,9 @@ def test_linear_matches_float64(m: int, gen: torch.Generator) -> None:
 def test_grouped_oproj_matches_float64(t: int, gen: torch.Generator) -> None:
     g, r, nh, hd = 2, 32, 4, 64  # D = NH·hd/G = 128
     d = nh * hd // g
-    wq = _qweight(g * r, d, gen=gen)
+    wq = quantized(g * r, d, gen=gen)
     op = Nvfp4GroupedOproj(*wq, n_groups=g, backend="reference")
-    o = _bf16(t, nh, hd, gen=gen)
+    o = bf16(t, nh, hd, gen=gen)
     pos = torch.randint(0, 100, (t,), generator=gen)
     theta = torch.rand(100, 32, generator=gen, dtype=torch.float64) * 6.28
     cache = torch.cat([theta.cos(), theta.sin()], dim=-1).float()
@@ -85,9 +75,9 @@ def test_shared_mlp_matches_float64(gen: torch.Generator) -> None:
     h, i, m = 128, 64, 9
     g13 = formats.global_scale_from_amax(torch.tensor(4.0))  # shared by w1 and w3
     w13 = formats.quantize_nvfp4(torch.randn(2 * i, h, generator=gen), g13)
-    w2 = _qweight(h, i, gen=gen, scale=0.3)
+    w2 = quantized(h, i, gen=gen, scale=0.3)
     mlp = Nvfp4SharedMlp(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="reference")
-    x = _bf16(m, h, gen=gen, scale=2.0)
+    x = bf16(m, h, gen=gen, scale=2.0)
     hmid = x.double() @ _deq64(*w13).T
     a = _clamped_swiglu64(hmid[:, :i], hmid[:, i:]).to(torch.bfloat16).double()
     _close(mlp(x), a @ _deq64(*w2).T)
@@ -97,10 +87,10 @@ def test_shared_mlp_matches_float64(gen: torch.Generator) -> None:
 @pytest.mark.parametrize("case", ["random", "one_expert", "empty_experts", "not_local"])
 def test_moe_matches_per_token_loop(case: str, gen: torch.Generator) -> None:
     e, h, i, m, k = 6, 64, 32, 11, 3
-    w13 = _qweight(e, 2 * i, h, gen=gen)
-    w2 = _qweight(e, h, i, gen=gen, scale=0.5)
+    w13 = quantized(e, 2 * i, h, gen=gen)
+    w2 = quantized(e, h, i, gen=gen, scale=0.5)
     moe = Nvfp4MoE(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="reference")
-    x = _bf16(m, h, gen=gen, scale=2.0)
+    x = bf16(m, h, gen=gen, scale=2.0)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(m)]).int()
     if case == "one_expert":
         ids[:, 0], ids[:, 1:] = 2, -1
@@ -130,15 +120,15 @@ def test_moe_matches_per_token_loop(case: str, gen: torch.Generator) -> None:
 # --- graph / compile ---------------------------------------------------------------------------
 def _all_runners(gen: torch.Generator):
     h, i, e = 64, 32, 4
-    lin = Nvfp4Linear(*_qweight(48, h, gen=gen), backend="reference")
-    op = Nvfp4GroupedOproj(*_qweight(2 * 32, 64, gen=gen), n_groups=2, backend="reference")
+    lin = Nvfp4Linear(*quantized(48, h, gen=gen), backend="reference")
+    op = Nvfp4GroupedOproj(*quantized(2 * 32, 64, gen=gen), n_groups=2, backend="reference")
     mlp = Nvfp4SharedMlp(
-        *_qweight(2 * i, h, gen=gen), None, *_qweight(h, i, gen=gen), None, backend="reference"
+        *quantized(2 * i, h, gen=gen), None, *quantized(h, i, gen=gen), None, backend="reference"
     )
     moe = Nvfp4MoE(
-        *_qweight(e, 2 * i, h, gen=gen),
+        *quantized(e, 2 * i, h, gen=gen),
         None,
-        *_qweight(e, h, i, gen=gen),
+        *quantized(e, h, i, gen=gen),
         None,
         backend="reference",
     )
@@ -148,8 +138,8 @@ def _all_runners(gen: torch.Generator):
 def _inputs(m: int, gen: torch.Generator):
     cache = torch.randn(64, 64, generator=gen)
     return (
-        _bf16(m, 64, gen=gen),
-        _bf16(m, 2, 64, gen=gen),
+        bf16(m, 64, gen=gen),
+        bf16(m, 2, 64, gen=gen),
         torch.randint(0, 64, (m,), generator=gen),
         cache,
         torch.randint(0, 4, (m, 2), generator=gen).int(),
@@ -197,10 +187,10 @@ def test_m_zero(gen: torch.Generator) -> None:
 
 # --- errors ------------------------------------------------------------------------------------
 def test_bad_inputs_raise_clear_errors(gen: torch.Generator) -> None:
-    wq = _qweight(48, 64, gen=gen)
+    wq = quantized(48, 64, gen=gen)
     lin = Nvfp4Linear(*wq, backend="reference")
     with pytest.raises(ValueError, match=r"x: shape \[3, 32\], expected \[\*, 64\]"):
-        lin(_bf16(3, 32, gen=gen))
+        lin(bf16(3, 32, gen=gen))
     with pytest.raises(ValueError, match=r"x: dtype float32, expected bfloat16"):
         lin(torch.randn(3, 64))
     with pytest.raises(ValueError, match=r"weight_scale: shape \[48, 2\], expected \[48, 4\]"):
@@ -210,8 +200,8 @@ def test_bad_inputs_raise_clear_errors(gen: torch.Generator) -> None:
     with pytest.raises(ValueError, match="weight: 48 rows, expected a multiple of n_groups=5"):
         Nvfp4GroupedOproj(*wq, n_groups=5)
     with pytest.raises(ValueError, match=r"w2: shape"):
-        w13 = _qweight(64, 64, gen=gen)
-        Nvfp4SharedMlp(*w13, None, *_qweight(64, 16, gen=gen), None)
+        w13 = quantized(64, 64, gen=gen)
+        Nvfp4SharedMlp(*w13, None, *quantized(64, 16, gen=gen), None)
     moe = _all_runners(gen)[3]
     x, _, _, _, ids, tw = _inputs(4, gen)
     with pytest.raises(ValueError, match=r"topk_weights: shape \[4, 1\], expected \[4, 2\]"):

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nvfp4_data import quantized
 
-from cutedsl import formats, reference
+from cutedsl import reference
 
 pytestmark = pytest.mark.sm90
 
 LIMIT = 10.0
-
-
-def _q(*shape: int, scale: float = 1.0):
-    w = torch.randn(*shape, device="cuda") * scale
-    gs = formats.global_scale_from_amax(w.abs().amax(dim=(-2, -1))) if len(shape) == 3 else None
-    return formats.quantize_nvfp4(w, gs)
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -56,7 +51,7 @@ def _graph_check(run, make_inputs, ref, max_tokens: int, runner) -> None:
 def test_linear_graph(m: int, n: int, k: int) -> None:
     from cutedsl.linear import Nvfp4Linear
 
-    wq = _q(n, k)
+    wq = quantized(n, k, device="cuda")
     lin = Nvfp4Linear(*wq, backend="sm90")
 
     def inputs():
@@ -70,7 +65,7 @@ def test_grouped_oproj_graph(t: int) -> None:
     from cutedsl.grouped_oproj import Nvfp4GroupedOproj
 
     g, r, nh, hd = 8, 1024, 64, 512
-    wq = _q(g * r, nh * hd // g, scale=0.05)
+    wq = quantized(g * r, nh * hd // g, scale=0.05, device="cuda")
     op = Nvfp4GroupedOproj(*wq, n_groups=g, backend="sm90")
     theta = torch.rand(4096, 32, device="cuda") * 6.28
     cache = torch.cat([theta.cos(), theta.sin()], -1)
@@ -92,8 +87,8 @@ def test_shared_mlp_graph() -> None:
     from cutedsl.shared_mlp import Nvfp4SharedMlp
 
     h, i, m = 4096, 2048, 8
-    w13 = _q(2 * i, h, scale=0.05)
-    w2 = _q(h, i, scale=0.05)
+    w13 = quantized(2 * i, h, scale=0.05, device="cuda")
+    w2 = quantized(h, i, scale=0.05, device="cuda")
     mlp = Nvfp4SharedMlp(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="sm90")
 
     def inputs():
@@ -107,8 +102,8 @@ def test_moe_graph(case: str) -> None:
     from cutedsl.moe import Nvfp4MoE
 
     e, h, i, m, k = 16, 1024, 256, 24, 6
-    w13 = _q(e, 2 * i, h, scale=0.1)
-    w2 = _q(e, h, i, scale=0.1)
+    w13 = quantized(e, 2 * i, h, scale=0.1, device="cuda")
+    w2 = quantized(e, h, i, scale=0.1, device="cuda")
     moe = Nvfp4MoE(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="sm90")
 
     def inputs():

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nvfp4_data import fresh_gen
 
 from cutedsl import formats
 from cutedsl.linear import Nvfp4Linear
 from cutedsl.moe import Nvfp4MoE
-
-
-def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(torch.seed() % 2**31)
 
 
 def _column_shard(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
@@ -41,7 +38,7 @@ def _row_shard(packed: torch.Tensor, sf: torch.Tensor, rank: int, tp: int):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_column_and_row_shards_dequantize_to_slices(tp: int) -> None:
-    g = _gen()
+    g = fresh_gen()
     n, k = 256, 512
     packed, sf, gs = formats.quantize_nvfp4(torch.randn(n, k, generator=g))
     full = formats.dequantize_nvfp4(packed, sf, gs, torch.float32)
@@ -63,7 +60,7 @@ def test_row_shard_refuses_split_blocks() -> None:
 
 @pytest.mark.parametrize("tp", [2])
 def test_linear_runners_on_shards_reassemble(tp: int) -> None:
-    g = _gen()
+    g = fresh_gen()
     n, k, m = 256, 512, 7
     wq = formats.quantize_nvfp4(torch.randn(n, k, generator=g))
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -87,7 +84,7 @@ def test_linear_runners_on_shards_reassemble(tp: int) -> None:
 
 
 def test_expert_parallel_ranks_sum_to_the_full_moe() -> None:
-    g = _gen()
+    g = fresh_gen()
     e, ep, h, i, m, k = 8, 2, 64, 32, 9, 3
     w = torch.randn(e, 2 * i, h, generator=g)
     w13 = formats.quantize_nvfp4(w, formats.global_scale_from_amax(w.abs().amax(dim=(1, 2))))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nvfp4_data import assert_close_to_ref, bf16, fresh_gen, quantized
 
 from cutedsl import formats, reference, sm100_runners
 from cutedsl.grouped_oproj import Nvfp4GroupedOproj
@@ -16,29 +17,8 @@ from cutedsl.shared_mlp import Nvfp4SharedMlp
 LIMIT = 10.0
 
 
-def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(torch.seed() % 2**31)
-
-
-def _q(*shape: int, g: torch.Generator, scale: float = 1.0):
-    w = torch.randn(*shape, generator=g) * scale
-    gs = formats.global_scale_from_amax(w.abs().amax(dim=(-2, -1))) if len(shape) == 3 else None
-    return formats.quantize_nvfp4(w, gs)
-
-
-def _x(*shape: int, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
-
-
 def _in_scale(x: torch.Tensor) -> torch.Tensor:
     return formats.global_scale_from_amax(x.float().abs().amax())
-
-
-def _check(got: torch.Tensor, want: torch.Tensor) -> None:
-    """One GEMM on identically quantized operands: only bf16 rounding and summation order differ."""
-    assert torch.isfinite(got).all()
-    err = (got.float() - want).abs().max().item()
-    assert err <= 1e-2 * want.abs().max().item() + 1e-4, err
 
 
 def _check_requantized(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -53,29 +33,29 @@ def _check_requantized(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("m", [1, 130])
 def test_linear(emulated_device, m: int) -> None:
-    g = _gen()
-    x = _x(m, 512, g=g)
-    wq, xs = _q(256, 512, g=g), _in_scale(x)
+    g = fresh_gen()
+    x = bf16(m, 512, gen=g)
+    wq, xs = quantized(256, 512, gen=g), _in_scale(x)
     r = Nvfp4Linear(*wq, input_scale=xs, backend="reference")
     got = sm100_runners.linear_impl(r)(x)
-    _check(got, reference.nvfp4_linear_ref(x, *wq, act="nvfp4", input_scale=xs))
+    assert_close_to_ref(got, reference.nvfp4_linear_ref(x, *wq, act="nvfp4", input_scale=xs))
 
 
 def test_grouped_oproj(emulated_device) -> None:
-    g = _gen()
+    g = fresh_gen()
     t, grp, d, rr = 9, 2, 256, 128
-    x = _x(t, grp, d, g=g)
-    wq, xs = _q(grp * rr, d, g=g), _in_scale(x)
+    x = bf16(t, grp, d, gen=g)
+    wq, xs = quantized(grp * rr, d, gen=g), _in_scale(x)
     r = Nvfp4GroupedOproj(*wq, input_scale=xs, n_groups=grp, backend="reference")
     got = sm100_runners.grouped_oproj_impl(r)(x)
-    _check(got, reference.nvfp4_grouped_oproj_ref(x, *wq, act="nvfp4", input_scale=xs))
+    assert_close_to_ref(got, reference.nvfp4_grouped_oproj_ref(x, *wq, act="nvfp4", input_scale=xs))
 
 
 def test_shared_mlp(emulated_device) -> None:
-    g = _gen()
+    g = fresh_gen()
     h, i, m = 256, 256, 5
-    x = _x(m, h, g=g, scale=3.0)
-    w13, w2 = _q(2 * i, h, g=g), _q(h, i, g=g, scale=0.3)
+    x = bf16(m, h, gen=g, scale=3.0)
+    w13, w2 = quantized(2 * i, h, gen=g), quantized(h, i, gen=g, scale=0.3)
     a13, a2 = _in_scale(x), torch.tensor(12.0 / 2688)
     r = Nvfp4SharedMlp(*w13, a13, *w2, a2, swiglu_limit=LIMIT, backend="reference")
     got = sm100_runners.shared_mlp_impl(r)(x)
@@ -84,10 +64,10 @@ def test_shared_mlp(emulated_device) -> None:
 
 
 def test_moe_uses_max_input_scale(emulated_device) -> None:
-    g = _gen()
+    g = fresh_gen()
     e, h, i, m, k = 3, 256, 256, 10, 2
-    x = _x(m, h, g=g, scale=2.0)
-    w13, w2 = _q(e, 2 * i, h, g=g, scale=0.3), _q(e, h, i, g=g, scale=0.2)
+    x = bf16(m, h, gen=g, scale=2.0)
+    w13, w2 = quantized(e, 2 * i, h, gen=g, scale=0.3), quantized(e, h, i, gen=g, scale=0.2)
     a13 = torch.full((e,), float(_in_scale(x))) * torch.tensor([0.5, 1.0, 0.25])
     a2 = torch.full((e,), 6.0 / 2688)
     r = Nvfp4MoE(*w13, a13, *w2, a2, swiglu_limit=LIMIT, backend="reference")
@@ -105,6 +85,6 @@ def test_moe_uses_max_input_scale(emulated_device) -> None:
 
 
 def test_missing_input_scale_is_refused() -> None:
-    r = Nvfp4Linear(*_q(256, 512, g=_gen()), backend="reference")
+    r = Nvfp4Linear(*quantized(256, 512, gen=fresh_gen()), backend="reference")
     with pytest.raises(ValueError, match="input_scale: the sm100 .* needs the static input scale"):
         sm100_runners.linear_impl(r)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nvfp4_data import assert_close_to_ref, bf16, fresh_gen, quantized
 
 from cutedsl import formats, reference, sm90, sm90_runners
 from cutedsl.grouped_oproj import Nvfp4GroupedOproj
@@ -36,56 +37,42 @@ def emulated_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sm90, "_launch", launch)
 
 
-def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(torch.seed() % 2**31)
-
-
-def _q(*shape: int, g: torch.Generator, scale: float = 1.0):
-    w = torch.randn(*shape, generator=g) * scale
-    gs = formats.global_scale_from_amax(w.abs().amax(dim=(-2, -1))) if len(shape) == 3 else None
-    return formats.quantize_nvfp4(w, gs)
-
-
-def _x(*shape: int, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
-
-
-def _check(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert torch.isfinite(got).all()
-    err = (got.float() - want).abs().max().item()
-    assert err <= 1e-2 * want.abs().max().item() + 1e-4, err
-
-
 def test_linear(emulated_launch) -> None:
-    g = _gen()
-    wq, x = _q(128, 256, g=g), _x(9, 256, g=g)
+    g = fresh_gen()
+    wq, x = quantized(128, 256, gen=g), bf16(9, 256, gen=g)
     r = Nvfp4Linear(*wq, backend="reference")
-    _check(sm90_runners.linear_impl(r)(x), reference.nvfp4_linear_ref(x, *wq))
+    assert_close_to_ref(sm90_runners.linear_impl(r)(x), reference.nvfp4_linear_ref(x, *wq))
 
 
 def test_grouped_oproj(emulated_launch) -> None:
-    g = _gen()
+    g = fresh_gen()
     t, grp, d, rr = 5, 4, 128, 64
-    wq, x = _q(grp * rr, d, g=g), _x(t, grp, d, g=g)
+    wq, x = quantized(grp * rr, d, gen=g), bf16(t, grp, d, gen=g)
     r = Nvfp4GroupedOproj(*wq, n_groups=grp, backend="reference")
-    _check(sm90_runners.grouped_oproj_impl(r)(x), reference.nvfp4_grouped_oproj_ref(x, *wq))
+    assert_close_to_ref(
+        sm90_runners.grouped_oproj_impl(r)(x), reference.nvfp4_grouped_oproj_ref(x, *wq)
+    )
 
 
 def test_shared_mlp(emulated_launch) -> None:
-    g = _gen()
+    g = fresh_gen()
     h, i, m = 128, 64, 6
-    w13, w2, x = _q(2 * i, h, g=g), _q(h, i, g=g, scale=0.3), _x(m, h, g=g, scale=3.0)
+    w13, w2, x = (
+        quantized(2 * i, h, gen=g),
+        quantized(h, i, gen=g, scale=0.3),
+        bf16(m, h, gen=g, scale=3.0),
+    )
     r = Nvfp4SharedMlp(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="reference")
     want = reference.nvfp4_shared_mlp_ref(x, *w13, *w2, LIMIT)
-    _check(sm90_runners.shared_mlp_impl(r)(x), want)
+    assert_close_to_ref(sm90_runners.shared_mlp_impl(r)(x), want)
 
 
 @pytest.mark.parametrize("case", ["random", "one_expert", "not_local"])
 def test_moe(emulated_launch, case: str) -> None:
-    g = _gen()
+    g = fresh_gen()
     e, h, i, m, k = 5, 128, 64, 11, 3
-    w13, w2 = _q(e, 2 * i, h, g=g, scale=0.5), _q(e, h, i, g=g, scale=0.3)
-    x = _x(m, h, g=g, scale=2.0)
+    w13, w2 = quantized(e, 2 * i, h, gen=g, scale=0.5), quantized(e, h, i, gen=g, scale=0.3)
+    x = bf16(m, h, gen=g, scale=2.0)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
     if case == "one_expert":
         ids[:, 0], ids[:, 1:] = 4, -1
@@ -95,4 +82,4 @@ def test_moe(emulated_launch, case: str) -> None:
     r = Nvfp4MoE(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="reference")
     out = torch.full((m, h), float("nan"), dtype=torch.bfloat16)
     sm90_runners.moe_impl(r)(x, ids, tw, out)
-    _check(out, reference.nvfp4_moe_ref(x, ids, tw, *w13, *w2, LIMIT))
+    assert_close_to_ref(out, reference.nvfp4_moe_ref(x, ids, tw, *w13, *w2, LIMIT))

@@ -1,0 +1,34 @@
+"""Fresh random NVFP4 test operands shared by the runner tests (quantized with cutedsl.formats)."""
+
+from __future__ import annotations
+
+import torch
+
+from cutedsl import formats
+
+
+def fresh_gen() -> torch.Generator:
+    """A CPU generator with a new seed each run (fresh data, never zeros)."""
+    return torch.Generator().manual_seed(torch.seed() % 2**31)
+
+
+def quantized(
+    *shape: int, gen: torch.Generator | None = None, scale: float = 1.0, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """N(0, scale²) weights [..., N, K] quantized to NVFP4; 3-D weights (stacked experts) get one
+    global scale per expert. Returns (packed, block scales, global scale)."""
+    w = torch.randn(*shape, generator=gen).to(device) * scale
+    gs = formats.global_scale_from_amax(w.abs().amax(dim=(-2, -1))) if len(shape) == 3 else None
+    return formats.quantize_nvfp4(w, gs)
+
+
+def bf16(*shape: int, gen: torch.Generator | None = None, scale: float = 1.0, device: str = "cpu"):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=torch.bfloat16)
+
+
+def assert_close_to_ref(got: torch.Tensor, want: torch.Tensor) -> None:
+    """One GEMM chain on identically quantized operands vs its fp32 reference: finite, and within
+    bf16 output rounding plus summation order (1% of the largest reference value)."""
+    assert torch.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite output"
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= 1e-2 * want.abs().max().item() + 1e-4, err
