@@ -182,6 +182,13 @@ def _dummy_offs(device: torch.device) -> torch.Tensor:
     return t
 
 
+def launch_tactic(m: int, n: int, k: int, groups: int, moe: bool) -> tuple[int, int, int]:
+    """The tactic a launch of m rows uses when none is forced (what `warmup` must compile).
+    MoE: rows per expert are unknown on the host; size tiles for 2x the uniform share."""
+    m_eff = max(1, 2 * -(-m // groups)) if moe else m
+    return choose_tactic(m_eff, n, k, groups, moe)
+
+
 def _launch(
     a3: torch.Tensor,  # (La, M, K) bf16 contiguous
     wp: Sm90Nvfp4Weight,
@@ -192,9 +199,7 @@ def _launch(
     la, m, k = a3.shape
     moe = offs is not None
     if tactic is None:
-        # MoE: rows per expert are unknown on the host; size tiles for 2x the uniform share.
-        m_eff = max(1, 2 * -(-m // wp.groups)) if moe else m
-        tactic = choose_tactic(m_eff, wp.n, k, wp.groups, moe)
+        tactic = launch_tactic(m, wp.n, k, wp.groups, moe)
     tile_n, tile_m, split_k = tactic
     if tile_m not in TILE_M_VERIFIED:
         # H200, 2026-12-02: tile_m 8 gave wrong results and tile_m 24 aborted the process in

@@ -15,11 +15,7 @@ from cutedsl.moe import route
 
 
 def _tactics(n: int, k: int, groups: int, max_tokens: int, moe: bool) -> set[tuple]:
-    out = set()
-    for m in range(1, max_tokens + 1):
-        m_eff = max(1, 2 * -(-m // groups)) if moe else m
-        out.add((*sm90.choose_tactic(m_eff, n, k, groups, moe), moe))
-    return out
+    return {(*sm90.launch_tactic(m, n, k, groups, moe), moe) for m in range(1, max_tokens + 1)}
 
 
 def swiglu_clamp_bf16(h: torch.Tensor, limit: float | None) -> torch.Tensor:
