@@ -19,6 +19,7 @@ import argparse
 import datetime
 import http.client
 import json
+import os
 import random
 import shlex
 import shutil
@@ -94,6 +95,45 @@ def gpu_memory_mib() -> list[int] | None:
     return [int(x) for x in out.split()] or None
 
 
+def process_tree(pid: int) -> set[int]:
+    """pid and all its descendants (from /proc; Linux)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.add(p)
+            todo.extend(children.get(p, []))
+    return out
+
+
+def server_memory_mib(pid: int) -> int | None:
+    """GPU memory held by the processes of the server's process tree (nvidia-smi compute apps);
+    None when nvidia-smi is absent or shows none of them (e.g. another PID namespace)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    tree, total, seen = process_tree(pid), 0, False
+    for line in out.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in tree:
+            total, seen = total + int(parts[1]), True
+    return total if seen else None
+
+
 def _pct(xs: list[float], p: float) -> float | None:
     if not xs:
         return None
@@ -113,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-lens", default="1,16,64,256")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="")
+    ap.add_argument(
+        "--server-pid",
+        type=int,
+        default=0,
+        help="measure GPU memory of this process tree (not the whole GPU)",
+    )
+    ap.add_argument("--memory-tolerance-mib", type=int, default=64)
     args = ap.parse_args(argv)
     plens = [int(x) for x in args.prompt_lens.split(",")]
     olens = [int(x) for x in args.output_lens.split(",")]
@@ -128,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             errors.append(f"greedy {when}: {type(e).__name__}: {e}"[:300])
             return None
 
-    mem_before, greedy_before = gpu_memory_mib(), greedy("before")
+    def memory() -> int | list[int] | None:
+        return server_memory_mib(args.server_pid) if args.server_pid else gpu_memory_mib()
+
+    greedy_before = greedy("before")  # after one request pass: the server's pools are warm
+    mem_before = memory()
     stop_at = time.monotonic() + args.duration
     counts = {"requests": 0, "streamed": 0}
 
@@ -154,10 +205,24 @@ def main(argv: list[str] | None = None) -> int:
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(args.duration + args.timeout + 30)
+    samples = []  # (s since start, memory) every ~30 s: flat, not only equal at the ends
+    hard_stop = stop_at + args.timeout + 30
+    while any(t.is_alive() for t in threads) and time.monotonic() < hard_stop:
+        samples.append((round(time.monotonic() - t0, 1), memory()))
+        tick = time.monotonic() + 30
+        for t in threads:
+            t.join(max(0.0, tick - time.monotonic()))
     wall = time.monotonic() - t0
-    greedy_after, mem_after = greedy("after"), gpu_memory_mib()
+    greedy_after, mem_after = greedy("after"), memory()
+
+    def _total(m):
+        return sum(m) if isinstance(m, list) else m
+
+    growth = (
+        _total(mem_after) - _total(mem_before)
+        if mem_before is not None and mem_after is not None
+        else None
+    )
     result = {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -171,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         "mean_latency_s": round(statistics.fmean(lat), 4) if lat else None,
         "gpu_memory_mib_before": mem_before,
         "gpu_memory_mib_after": mem_after,
+        "gpu_memory_scope": f"process tree of pid {args.server_pid}"
+        if args.server_pid
+        else "whole GPU (nvidia-smi memory.used)",
+        "gpu_memory_samples": samples,
+        "gpu_memory_growth_mib": growth,
+        "memory_flat": growth is not None and growth <= args.memory_tolerance_mib,
         "greedy_identical": greedy_before is not None and greedy_before == greedy_after,
     }
     text = json.dumps(result, indent=2)
@@ -178,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    return 0 if not errors and result["greedy_identical"] and counts["requests"] > 0 else 1
+    ok = not errors and result["greedy_identical"] and counts["requests"] > 0
+    return 0 if ok and (growth is None or result["memory_flat"]) else 1
 
 
 if __name__ == "__main__":

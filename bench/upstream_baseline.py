@@ -197,10 +197,12 @@ def worker(args) -> dict:
         max_model_len=4096,
         max_num_batched_tokens=4096,
         max_num_seqs=8,
-        gpu_memory_utilization=0.4,
+        gpu_memory_utilization=args.gpu_mem,
         seed=0,
         max_logprobs=V,
     )
+    if args.kv_bytes:  # fixed KV size: skips profiling, so engines can share one GPU (--parallel)
+        kw["kv_cache_memory_bytes"] = args.kv_bytes
     if args.mode == "eager":
         kw["enforce_eager"] = True
     else:
@@ -378,6 +380,11 @@ def main() -> int:
     ap.add_argument("--hooks", action="store_true")
     ap.add_argument("--no-mhc-check", action="store_true")
     ap.add_argument("--timeout", type=int, default=420, help="per-mode worker timeout (s)")
+    ap.add_argument("--parallel", action="store_true", help="run the mode workers at the same time")
+    ap.add_argument("--gpu-mem", type=float, default=0.4, help="gpu_memory_utilization")
+    ap.add_argument(
+        "--kv-bytes", type=int, default=0, help="kv_cache_memory_bytes (0 = vLLM profiles)"
+    )
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--worker-pt", help=argparse.SUPPRESS)
     ap.add_argument("--worker-json", help=argparse.SUPPRESS)
@@ -467,36 +474,45 @@ def main() -> int:
         dump()
         torch.cuda.empty_cache()
 
-    dense_all = {}
-    result["modes"] = {}
-    for mode in [m for m in args.modes.split(",") if m]:
-        wj, wp = f"{args.out}.{mode}.json", f"{args.out}.{mode}.pt"
+    def launch(mode: str) -> tuple[subprocess.Popen, float]:
         cmd = [
             sys.executable,
             os.path.abspath(__file__),
             "--mode",
             mode,
             "--worker-json",
-            wj,
+            f"{args.out}.{mode}.json",
             "--worker-pt",
-            wp,
+            f"{args.out}.{mode}.pt",
             "--ckpt",
             args.ckpt,
             "--decode",
             str(args.decode),
             "--prompt-lens",
             ",".join(map(str, args.prompt_lens)),
+            "--gpu-mem",
+            str(args.gpu_mem),
+            "--kv-bytes",
+            str(args.kv_bytes),
         ] + (["--hooks"] if args.hooks else [])
-        t0 = time.time()
+        log = open(f"{args.out}.{mode}.log", "w")  # the worker's whole log, next to the JSON
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), time.time()
+
+    def collect(mode: str, proc: subprocess.Popen, t0: float) -> None:
+        wj, wp = f"{args.out}.{mode}.json", f"{args.out}.{mode}.pt"
         try:
-            r = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True)
-            log_tail = (r.stdout + r.stderr)[-4000:]
-        except subprocess.TimeoutExpired as e:
-            log_tail = f"timeout after {args.timeout} s: {str(e.stdout or '')[-2000:]}"
+            proc.wait(timeout=max(1.0, args.timeout - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with open(f"{args.out}.{mode}.log", errors="replace") as f:
+            log_tail = f.read()[-4000:]
         res = json.load(open(wj)) if os.path.exists(wj) else {"mode": mode, "ok": False}
         res["wall_s"] = round(time.time() - t0, 1)
         if not res.get("ok"):
             res["log_tail"] = log_tail
+            if proc.returncode and proc.returncode < 0:
+                res["killed_after_s"] = args.timeout
         if "hooks" in res:
             res["hooks_summary"] = hooks_summary(res.pop("hooks"))
         result["modes"][mode] = res
@@ -504,6 +520,17 @@ def main() -> int:
             dense_all[mode] = torch.load(wp)
         dump()
         print(f"[baseline] {mode}: ok={res.get('ok')} {res.get('error', '')}", flush=True)
+
+    dense_all = {}
+    result["modes"] = {}
+    modes = [m for m in args.modes.split(",") if m]
+    if args.parallel:
+        running = [(m, *launch(m)) for m in modes]
+        for m, proc, t0 in running:
+            collect(m, proc, t0)
+    else:
+        for m in modes:
+            collect(m, *launch(m))
 
     if dense_all:
         from cutedsl.golden import load_model

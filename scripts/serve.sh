@@ -6,7 +6,8 @@
 # MODEL (argument or $MODEL): a checkpoint directory. Without one, the tiny full-NVFP4 checkpoint is
 # generated once into $TINY_DIR (default checkpoints/tiny-nvfp4) and served.
 # Environment: PYTHON (default python3), PORT (8000), VLLM_EXTRA_ARGS (more flags, word-split),
-# TENSOR_PARALLEL_SIZE (1).
+# TENSOR_PARALLEL_SIZE (1), SERVE_UPSTREAM=1 (serve pristine vLLM for comparisons: the overlay must
+# not be applied; nothing is changed).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
@@ -35,7 +36,12 @@ else
         --reasoning-parser deepseek_v4)
 fi
 
-PYTHON="$PYTHON" bash "$HERE/apply_patches.sh"
+if [ "${SERVE_UPSTREAM:-0}" = 1 ]; then
+    rc=0; PYTHON="$PYTHON" bash "$HERE/apply_patches.sh" --check >/dev/null || rc=$?
+    [ $rc = 1 ] || { echo "serve.sh: error: SERVE_UPSTREAM=1 but the overlay is applied (apply_patches.sh --check rc=$rc)" >&2; exit 1; }
+else
+    PYTHON="$PYTHON" bash "$HERE/apply_patches.sh"
+fi
 
 # The DeepSeek V4 flags of the vLLM recipes: FP8 KV cache (required by the DSv4 attention), the
 # 256-token KV block of its sparse SWA backend, full + piecewise CUDA graphs.

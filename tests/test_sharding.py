@@ -58,34 +58,54 @@ def test_row_shard_refuses_split_blocks() -> None:
         _row_shard(packed, sf, 0, 3)
 
 
+# A rank's slice through a real backend on one GPU (issue 10: "single-GPU runs of a rank's slice").
+BACKENDS = ["reference", pytest.param("sm90", marks=pytest.mark.sm90)]
+
+
+def _dev(backend: str) -> torch.device:
+    return torch.device("cpu" if backend == "reference" else "cuda")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tp", [2])
-def test_linear_runners_on_shards_reassemble(tp: int) -> None:
-    g = fresh_gen()
+def test_linear_runners_on_shards_reassemble(tp: int, backend: str) -> None:
+    g, dev = fresh_gen(), _dev(backend)
     n, k, m = 256, 512, 7
-    wq = formats.quantize_nvfp4(torch.randn(n, k, generator=g))
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    want = Nvfp4Linear(*wq, backend="reference")(x).float()
+    wq = [t.to(dev) for t in formats.quantize_nvfp4(torch.randn(n, k, generator=g))]
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(dev)
+    # The full, unsharded weight through the torch reference: what every rank must add up to.
+    want = Nvfp4Linear(*[t.cpu() for t in wq], backend="reference")(x.cpu()).float()
     col = torch.cat(
         [
             Nvfp4Linear(
-                _column_shard(wq[0], r, tp), _column_shard(wq[1], r, tp), wq[2], backend="reference"
-            )(x)
+                _column_shard(wq[0], r, tp).contiguous(),
+                _column_shard(wq[1], r, tp).contiguous(),
+                wq[2],
+                backend=backend,
+            )(x).cpu()
             for r in range(tp)
         ],
         dim=1,
     )
-    assert torch.equal(col.float(), want)  # disjoint outputs: bit-identical
+    if backend == "reference":
+        assert torch.equal(col.float(), want)  # disjoint outputs: bit-identical
+    else:
+        torch.testing.assert_close(
+            col.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item()
+        )
     parts = []
     for r in range(tp):
-        p, s = _row_shard(wq[0], wq[1], r, tp)
-        xs = x[:, r * k // tp : (r + 1) * k // tp]
-        parts.append(Nvfp4Linear(p, s, wq[2], out_dtype=torch.float32, backend="reference")(xs))
-    torch.testing.assert_close(sum(parts), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        p, s = (t.contiguous() for t in _row_shard(wq[0], wq[1], r, tp))
+        xs = x[:, r * k // tp : (r + 1) * k // tp].contiguous()
+        kw = {"out_dtype": torch.float32} if backend == "reference" else {}
+        parts.append(Nvfp4Linear(p, s, wq[2], backend=backend, **kw)(xs).float().cpu())
+    torch.testing.assert_close(sum(parts), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
-def test_expert_parallel_ranks_sum_to_the_full_moe() -> None:
-    g = fresh_gen()
-    e, ep, h, i, m, k = 8, 2, 64, 32, 9, 3
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expert_parallel_ranks_sum_to_the_full_moe(backend: str) -> None:
+    g, dev = fresh_gen(), _dev(backend)
+    e, ep, h, i, m, k = 8, 2, 128, 128, 9, 3
     w = torch.randn(e, 2 * i, h, generator=g)
     w13 = formats.quantize_nvfp4(w, formats.global_scale_from_amax(w.abs().amax(dim=(1, 2))))
     w2_ = torch.randn(e, h, i, generator=g) * 0.5
@@ -101,19 +121,15 @@ def test_expert_parallel_ranks_sum_to_the_full_moe() -> None:
         sl = slice(r * per, (r + 1) * per)
         local = torch.where((ids >= sl.start) & (ids < sl.stop), ids - sl.start, -1).int()
         moe = Nvfp4MoE(
-            w13[0][sl],
-            w13[1][sl],
-            w13[2][sl],
+            *(t[sl].contiguous().to(dev) for t in w13),
             None,
-            w2[0][sl],
-            w2[1][sl],
-            w2[2][sl],
+            *(t[sl].contiguous().to(dev) for t in w2),
             None,
-            backend="reference",
+            backend=backend,
         )
-        out = torch.full((m, h), float("nan"), dtype=torch.bfloat16)
-        moe(x, local, tw, out)
-        total += out.float()
+        out = torch.full((m, h), float("nan"), dtype=torch.bfloat16, device=dev)
+        moe(x.to(dev), local.to(dev), tw.to(dev), out)
+        total += out.float().cpu()
     torch.testing.assert_close(
         total, full.float(), rtol=2e-2, atol=2e-2 * full.float().abs().max().item()
     )

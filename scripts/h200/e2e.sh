@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# On the H200, one call (~8 min): vLLM vs the golden reference on the tiny checkpoints, every engine
+# at once on the one GPU (fixed KV size, so they do not disturb each other's memory profiling):
+#   native       pristine vLLM 0.21.0 (issue 4: upstream baseline)   eager + CUDA graphs
+#   nvfp4        our overlay, sm90 backend (issue 8)                    eager + CUDA graphs
+#   nvidia-mixed our overlay (NVFP4 experts, FP8 rest)                  eager + CUDA graphs
+# plus the SM90 runner/kernel GPU tests, and (for scripts/h200/serve_bench.sh) the flash-layers
+# checkpoints. Results: $OUT/e2e.tgz (JSON per format, worker logs, JUnit XML), $OUT/summary.txt.
+#   bash scripts/h200/e2e.sh [formats (default native,nvfp4,nvidia-mixed)] [modes (eager,graph)]
+set -u
+. "$(dirname "$0")/env.sh"
+formats=${1:-native,nvfp4,nvidia-mixed}
+modes=${2:-eager,graph}
+LIMIT=${LIMIT:-500}
+device_info
+make_ours >"$R/make_ours.log" 2>&1 || { cat "$R/make_ours.log"; exit 1; }
+pids=()
+for fmt in ${formats//,/ }; do
+    wrap=("${OURS[@]}"); [ "$fmt" = native ] && wrap=("${UPSTREAM[@]}")
+    step "e2e_$fmt" "$LIMIT" "${wrap[@]}" python3 "$REPO/bench/upstream_baseline.py" --format "$fmt" \
+        --modes "$modes" --parallel --no-mhc-check --gpu-mem 0.06 --kv-bytes 2000000000 \
+        --timeout $((LIMIT - 60)) --out "$R/e2e_$fmt.json" &
+    pids+=($!)
+done
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+    step gpu_tests "$LIMIT" "${OURS[@]}" python3 -m pytest -q -m "gpu or sm90" -p no:cacheprovider \
+        --junitxml="$R/gpu_tests.xml" "$REPO/tests/test_runners_gpu.py" "$REPO/tests/test_gemm_sm90.py" \
+        "$REPO/tests/test_sharding.py" &
+    pids+=($!)
+fi
+if [ "${FLASH_CKPTS:-1}" = 1 ]; then
+    for f in nvfp4 native; do
+        [ -f "/tmp/ckpt/flash-$f/config.json" ] && continue
+        step "gen_flash_$f" 400 python3 -m cutedsl.tools.tiny_model "/tmp/ckpt/flash-$f" \
+            --preset flash-layers --format "$f" --device cuda --force &
+        pids+=($!)
+    done
+fi
+wait "${pids[@]}"
+for fmt in ${formats//,/ }; do grep -h "^\[baseline\]" "$R/e2e_$fmt.log" | sed "s/^/$fmt /"; done
+tail -n 3 "$R/gpu_tests.log" 2>/dev/null
+rm -f "$R"/*.json.*.pt  # per-worker tensors; e2e_<fmt>.pt holds every mode
+bundle e2e
