@@ -416,6 +416,7 @@ def main() -> int:
         if torch.cuda.is_available()
         else None,
         "torch": torch.__version__,
+        "format": args.format,
     }
     try:
         import transformers

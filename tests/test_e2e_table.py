@@ -1,0 +1,46 @@
+"""bench/e2e_table.py on synthetic upstream_baseline.py results: the table, the bound, failures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "e2e_table", Path(__file__).parents[1] / "bench" / "e2e_table.py"
+)
+e2e_table = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(e2e_table)
+
+
+def _result(decode_cos_min: float, ok: bool = True) -> dict:
+    g = {
+        "prefill": {"cos_min": 0.995, "cos_mean": 0.998, "greedy_agree": 0.97},
+        "first_token": {"cos": 0.996, "agree": True},
+        "decode": {"steps": 16, "cos_min": decode_cos_min, "agree_frac": 0.94},
+    }
+    mode = {"ok": True, "vs_golden": [{"prompt_len": 17, "golden": g, "golden_swa_yarn": g}]}
+    return {"format": "nvfp4", "modes": {"eager": mode if ok else {"ok": False, "error": "boom"}}}
+
+
+def _run(tmp_path: Path, capsys, res: dict) -> tuple[int, str]:
+    p = tmp_path / "e2e.json"
+    p.write_text(json.dumps(res))
+    rc = e2e_table.main([str(p)])
+    return rc, capsys.readouterr().out
+
+
+def test_rows_and_bound(tmp_path: Path, capsys) -> None:
+    rc, out = _run(tmp_path, capsys, _result(0.993))
+    assert (
+        rc == 0
+        and "| nvfp4 | eager | 17 | 0.9950 / 0.9980 |" in out
+        and out.strip().endswith("yes |")
+    )
+    rc, out = _run(tmp_path, capsys, _result(0.95))
+    assert rc == 1 and out.strip().endswith("NO |")
+
+
+def test_failed_mode_fails(tmp_path: Path, capsys) -> None:
+    rc, out = _run(tmp_path, capsys, _result(0.999, ok=False))
+    assert rc == 1 and "failed: boom" in out
