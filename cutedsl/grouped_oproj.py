@@ -4,7 +4,9 @@ o bf16 [T, NH, hd] (attention output; its last 64 dims of each head carry the ke
 BF16 inverse RoPE at the query positions (float32 cos‖sin cache [max_pos, 64]) → view [T, G, D]
 with D = NH·hd/G (group g = heads g·NH/G … (g+1)·NH/G − 1) → out[t, g] = x[t, g] · W_gᵀ, W_g =
 rows g·R … (g+1)·R − 1 of the checkpoint's wo_a weight u8 [G·R, D//2] → bf16 [T, G, R]; the caller
-flattens it for wo_b. Backends and graph notes as in `cutedsl.linear`.
+flattens it for wo_b. Backends and graph notes as in `cutedsl.linear`. On the GPU backends the
+inverse RoPE writes into the device's "main" `cutedsl.workspace` (reserved by `warmup`, sized for
+`head_dim`), so a call allocates only its result.
 """
 
 from __future__ import annotations
@@ -13,6 +15,40 @@ import torch
 
 from cutedsl import formats, ops, reference
 from cutedsl.runner import Runner, check_tensor, scalar_f32
+from cutedsl.workspace import Workspace, for_role
+
+_HALF = reference.ROPE_DIM // 2
+
+
+def inverse_rope_into(
+    out: torch.Tensor,  # [T, NH, hd] bf16, written
+    o: torch.Tensor,  # [T, NH, hd] bf16
+    positions: torch.Tensor,  # int [T]
+    cos_sin_cache: torch.Tensor,  # fp32 [max_pos, 64]
+    ws: Workspace,
+) -> torch.Tensor:
+    """`reference.inverse_rope_ref(o, positions, cos_sin_cache)` into `out`, with its fp32
+    temporaries in `ws` ("rope.cs" [T, 64], "rope.e" / "rope.o" / "rope.y" [T, NH, 32]): the same
+    fp32 operations, no allocation."""
+    t, nh, _ = o.shape
+    out.copy_(o)
+    rope = out[..., -reference.ROPE_DIM :]
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    cs = ws.get("rope.cs", (t, reference.ROPE_DIM), torch.float32)
+    torch.index_select(cos_sin_cache, 0, positions, out=cs)
+    cos, sin = cs[:, None, :_HALF], cs[:, None, _HALF:]
+    e = ws.get("rope.e", (t, nh, _HALF), torch.float32)
+    od = ws.get("rope.o", (t, nh, _HALF), torch.float32)
+    y = ws.get("rope.y", (t, nh, _HALF), torch.float32)
+    e.copy_(even)
+    od.copy_(odd)
+    torch.mul(e, cos, out=y)
+    y.addcmul_(od, sin)  # x[2j]·cos + x[2j+1]·sin
+    even.copy_(y)
+    torch.mul(od, cos, out=y)
+    y.addcmul_(e, sin, value=-1.0)  # x[2j+1]·cos − x[2j]·sin
+    odd.copy_(y)
+    return out
 
 
 class Nvfp4GroupedOproj(Runner):
@@ -26,6 +62,7 @@ class Nvfp4GroupedOproj(Runner):
         input_scale: torch.Tensor | float | None = None,  # () fp32
         *,
         n_groups: int,
+        head_dim: int = 512,  # of the attention output o; sizes the GPU backends' RoPE workspace
         out_dtype: torch.dtype = torch.bfloat16,
         backend: str | None = None,
     ) -> None:
@@ -49,7 +86,17 @@ class Nvfp4GroupedOproj(Runner):
         self.weight_scale_2 = scalar_f32("weight_scale_2", weight_scale_2, dev)
         self.input_scale = scalar_f32("input_scale", input_scale, dev)
         self.out_dtype = out_dtype
+        self.head_dim = head_dim
         self._setup(dev, backend)
+
+    def warmup(self, max_tokens: int) -> None:
+        super().warmup(max_tokens)
+        if self.backend != "reference":
+            ws, nh = for_role(self.device, "main"), self.n_groups * self.d // self.head_dim
+            ws.reserve("rope.x", (max_tokens, nh, self.head_dim), torch.bfloat16)
+            ws.reserve("rope.cs", (max_tokens, reference.ROPE_DIM), torch.float32)
+            for name in ("rope.e", "rope.o", "rope.y"):
+                ws.reserve(name, (max_tokens, nh, _HALF), torch.float32)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         y = reference.nvfp4_grouped_oproj_ref(
@@ -76,8 +123,14 @@ class Nvfp4GroupedOproj(Runner):
         )
         if t == 0:
             return o.new_empty((0, self.n_groups, self.r), dtype=self.out_dtype)
-        x = reference.inverse_rope_ref(o, positions, cos_sin_cache).view(t, self.n_groups, self.d)
-        return self._impl(x)
+        if self.backend == "reference":
+            x = reference.inverse_rope_ref(o, positions, cos_sin_cache)
+        else:
+            ws = for_role(self.device, "main")
+            x = inverse_rope_into(
+                ws.get("rope.x", o.shape, o.dtype), o, positions, cos_sin_cache, ws
+            )
+        return self._impl(x.view(t, self.n_groups, self.d))
 
     def __call__(
         self, o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor

@@ -15,23 +15,51 @@ import torch
 
 from cutedsl import formats, ops, reference
 from cutedsl.runner import Runner, check_tensor, per_expert_f32
+from cutedsl.workspace import Workspace
 
 
-def route(topk_ids: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route_reserve(ws: Workspace, rows: int, e: int) -> None:
+    """Warm-up: reserve `route`'s buffers in `ws` for up to `rows` = M·topk assignments."""
+    for name, dtype in (("route.key", torch.int64), ("route.sorted", torch.int64),
+                        ("route.order", torch.int64), ("route.valid", torch.bool)):  # fmt: skip
+        ws.reserve(name, (rows,), dtype)
+    ws.reserve("route.offs", (e + 1,), torch.int32)
+    ws.reserve("route.bounds", (e + 1,), torch.int64)
+
+
+def route(
+    topk_ids: torch.Tensor, e: int, ws: Workspace | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the M·topk assignments by expert, on the device (no host sync, graph-capturable).
 
     topk_ids int [M, topk], −1 = not local. Returns (order int64 [M·topk]: assignment indices
     j = m·topk + s sorted by expert, stable, non-local last; offs int32 [E + 1]: expert x owns
     sorted rows [offs[x], offs[x+1]); valid bool [M·topk]: sorted row i is a local assignment).
+    With `ws` (reserved by `route_reserve`) every result and scratch tensor is a view of it: no
+    allocation by this code (torch.sort may still take cub scratch from the caching allocator
+    above 4096 rows); without it they are allocated (reference / CPU callers).
     """
-    ids = topk_ids.reshape(-1).to(torch.int64)
-    key = torch.where(ids >= 0, ids, e)
-    order = torch.sort(key, stable=True).indices
-    counts = torch.zeros(e + 1, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))  # not bincount: it syncs on CUDA
-    offs = torch.zeros(e + 1, dtype=torch.int32, device=ids.device)
-    offs[1:] = torch.cumsum(counts[:e], 0)
-    return order, offs, key[order] < e
+    m, topk = topk_ids.shape
+    t = m * topk
+    if ws is None:
+        ws = Workspace(topk_ids.device, "route")
+        route_reserve(ws, t, e)
+    key = ws.get("route.key", (t,), torch.int64)
+    srt = ws.get("route.sorted", (t,), torch.int64)
+    order = ws.get("route.order", (t,), torch.int64)
+    valid = ws.get("route.valid", (t,), torch.bool)
+    offs = ws.get("route.offs", (e + 1,), torch.int32)
+    bounds = ws.get("route.bounds", (e + 1,), torch.int64)
+    key.view(m, topk).copy_(topk_ids)
+    torch.lt(key, 0, out=valid)  # scratch: "not local"
+    key.masked_fill_(valid, e)  # non-local → bucket e, sorted last
+    torch.sort(key, stable=True, out=(srt, order))
+    # offs[x] = #assignments with key < x (= the exclusive cumsum of the per-expert counts):
+    # searchsorted, not bincount (syncs on CUDA) nor cumsum (cub scratch allocation).
+    torch.arange(e + 1, out=bounds)
+    torch.searchsorted(srt, bounds, out_int32=True, out=offs)
+    torch.lt(srt, e, out=valid)
+    return order, offs, valid
 
 
 class Nvfp4MoE(Runner):

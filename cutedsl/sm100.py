@@ -15,7 +15,10 @@ Two halves:
    `nvfp4_moe_sm100`): import `cutlass` lazily, compile once per compile-time key
    (`compile_key`), never key on shapes or addresses (every extent is a runtime argument), and
    make no host sync and no host tensor per call (scales stay on the device; sizes come from
-   tensor shapes). Compile before CUDA-graph capture (`warmup`).
+   tensor shapes). Compile before CUDA-graph capture (`warmup`). Given a `cutedsl.workspace`
+   (`ws=`, reserved by `quant_reserve` / `moe_reserve` at warm-up) every intermediate is a view
+   of it (the MoE layout, gathered rows, NVFP4 activations, h, y, the fp32 combine
+   accumulator); only the outputs not given are allocated. Without one they are allocated.
 
 Conventions: global scales are dequant multipliers (checkpoint `weight_scale_2`, `input_scale`),
 so alpha = input_scale * weight_scale_2, an fp32 device tensor ((1,), (G,) or (E,)).
@@ -32,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from cutedsl import formats
+from cutedsl.workspace import Workspace
 
 TILE_M = 128  # GEMM M tile = row padding of groups and experts
 TILE_N = 128
@@ -150,51 +154,164 @@ def moe_max_rows(m: int, topk: int, e: int) -> int:
     return formats.round_up(m * topk + e * (TILE_M - 1), TILE_M)
 
 
-def moe_layout(topk_ids: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_layout_reserve(ws: Workspace, m: int, topk: int, e: int) -> None:
+    """Warm-up: reserve the index buffers of `moe_layout`, `moe_gather` and `moe_combine` in `ws`
+    for up to m tokens (`moe_combine_reserve` adds its (M, H)-sized ones)."""
+    t, rows = m * topk, moe_max_rows(m, topk, e)
+    for name in ("key", "sorted", "order", "rank", "ar", "kc", "dest", "tok", "dc"):
+        ws.reserve(f"layout.{name}", (t,), torch.int64)
+    ws.reserve("layout.inv", (t,), torch.bool)
+    for name in ("bounds", "lt"):
+        ws.reserve(f"layout.{name}", (e + 1,), torch.int64)
+    for name in ("counts", "offs64", "spad"):
+        ws.reserve(f"layout.{name}", (e,), torch.int64)
+    ws.reserve("layout.offs", (e,), torch.int32)
+    ws.reserve("gather.src", (rows + 1,), torch.int64)
+    ws.reserve("gather.pad", (rows + 1,), torch.bool)
+    ws.reserve("combine.w", (t,), torch.float32)
+
+
+def moe_layout(
+    topk_ids: torch.Tensor, e: int, ws: Workspace | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing -> (offs int32 (E,), dest int64 (M*topk,)), device ops only (no host sync).
 
     Expert e owns rows [offs[e-1], offs[e]) of the grouped A (offs[-1] = 0), a segment of
     round_up(count_e, 128) rows; its tokens come first in (token, slot) order. dest[j] is the row
     of assignment j = m*topk + slot, or -1 where topk_ids is -1 (not a local expert).
+    With `ws` (`moe_layout_reserve`) both results and all scratch are views of it.
     """
     _check(
         topk_ids.ndim == 2 and topk_ids.dtype in (torch.int32, torch.int64),
         f"topk_ids: {topk_ids.dtype} {tuple(topk_ids.shape)}, expected int32/int64 [M, topk]",
     )
-    ids = topk_ids.reshape(-1).to(torch.int64)
-    valid = ids >= 0
-    key = torch.where(valid, ids, torch.full_like(ids, e))  # -1 -> bucket e (dropped)
-    # scatter_add, not bincount: CUDA bincount reads max() on the host (a sync, not capturable).
-    counts = torch.zeros(e + 1, dtype=torch.int64, device=ids.device)
-    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:e]
-    padded = (counts + TILE_M - 1) // TILE_M * TILE_M
-    offs = torch.cumsum(padded, 0)
-    starts_pad = offs - padded
-    starts_raw = torch.cumsum(counts, 0) - counts
-    order = torch.sort(key, stable=True).indices
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=ids.device)
-    kc = key.clamp(max=e - 1)
-    dest = starts_pad[kc] + (rank - starts_raw[kc])
-    dest = torch.where(valid, dest, torch.full_like(dest, -1))
-    return offs.to(torch.int32), dest
+    m, topk = topk_ids.shape
+    t = m * topk
+    if ws is None:  # CPU / reference callers: scratch for this call only
+        ws = Workspace(topk_ids.device, "moe_layout")
+        moe_layout_reserve(ws, m, topk, e)
+    i64 = torch.int64
+    key, inv = ws.get("layout.key", (t,), i64), ws.get("layout.inv", (t,), torch.bool)
+    key.view(m, topk).copy_(topk_ids)
+    torch.lt(key, 0, out=inv)
+    key.masked_fill_(inv, e)  # -1 -> bucket e (dropped)
+    srt, order = ws.get("layout.sorted", (t,), i64), ws.get("layout.order", (t,), i64)
+    torch.sort(key, stable=True, out=(srt, order))
+    # lt[x] = #keys < x: starts_raw = lt[:e], counts = lt[1:] - lt[:e] (searchsorted, not
+    # bincount: CUDA bincount reads max() on the host, a sync, not capturable).
+    bounds, lt = ws.get("layout.bounds", (e + 1,), i64), ws.get("layout.lt", (e + 1,), i64)
+    torch.arange(e + 1, out=bounds)
+    torch.searchsorted(srt, bounds, out=lt)
+    padded = ws.get("layout.counts", (e,), i64)
+    torch.sub(lt[1:], lt[:e], out=padded)
+    padded.add_(TILE_M - 1).floor_divide_(TILE_M).mul_(TILE_M)
+    offs64, spad = ws.get("layout.offs64", (e,), i64), ws.get("layout.spad", (e,), i64)
+    torch.cumsum(padded, 0, out=offs64)
+    torch.sub(offs64, padded, out=spad)  # padded start of each expert
+    rank, ar = ws.get("layout.rank", (t,), i64), ws.get("layout.ar", (t,), i64)
+    torch.arange(t, out=ar)
+    rank.index_copy_(0, order, ar)  # rank[order[i]] = i
+    kc, dest = ws.get("layout.kc", (t,), i64), ws.get("layout.dest", (t,), i64)
+    torch.clamp(key, max=e - 1, out=kc)
+    torch.index_select(spad, 0, kc, out=dest)
+    dest.add_(rank)
+    torch.index_select(lt[:e], 0, kc, out=ar)  # ar: raw start of each assignment's expert
+    dest.sub_(ar)
+    dest.masked_fill_(inv, -1)
+    offs = ws.get("layout.offs", (e,), torch.int32)
+    offs.copy_(offs64)
+    return offs, dest
 
 
-def moe_gather(x: torch.Tensor, dest: torch.Tensor, topk: int, rows: int) -> torch.Tensor:
-    """x (M, H) -> grouped A input (rows, H): row dest[m*topk+s] = x[m]; other rows zero."""
-    buf = x.new_zeros((rows + 1, x.shape[1]))  # last row absorbs the -1 (not local) entries
-    tok = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk)
-    buf[torch.where(dest >= 0, dest, torch.full_like(dest, rows))] = x[tok]
-    return buf[:rows]
+def moe_gather(
+    x: torch.Tensor,
+    dest: torch.Tensor,
+    topk: int,
+    rows: int,
+    ws: Workspace | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x (M, H) -> grouped A input (rows, H): row dest[m*topk+s] = x[m]; other rows zero.
+    With `ws`, scratch comes from it; `out` (rows, H) receives the result (allocated if None)."""
+    t = dest.numel()
+    i64 = torch.int64
+    if ws is None:
+        ws = Workspace(x.device, "moe_gather")
+        moe_gather_reserve(ws, t, rows)
+    src, pad = ws.get("gather.src", (rows + 1,), i64), ws.get("gather.pad", (rows + 1,), torch.bool)
+    dc, inv = ws.get("layout.dc", (t,), i64), ws.get("layout.inv", (t,), torch.bool)
+    tok = ws.get("layout.tok", (t,), i64)
+    torch.lt(dest, 0, out=inv)
+    dc.copy_(dest)
+    dc.masked_fill_(inv, rows)  # the extra row `rows` absorbs the -1 (not local) entries
+    torch.arange(t, out=tok)
+    tok.floor_divide_(topk)
+    src.zero_()
+    pad.fill_(True)
+    src.index_copy_(0, dc, tok)  # src[row] = token feeding it
+    pad.index_fill_(0, dc, False)
+    if out is None:
+        out = x.new_empty((rows, x.shape[1]))
+    torch.index_select(x, 0, src[:rows], out=out)
+    out.masked_fill_(pad[:rows, None], 0)
+    return out
 
 
-def moe_combine(y: torch.Tensor, dest: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """Grouped output y (rows, H) -> (M, H) fp32: out[m] = sum_s w[m, s] * y[dest[m*topk+s]]."""
+# Rows per chunk of `moe_combine`'s fp32 scratch (bounds it to COMBINE_CHUNK x H fp32).
+COMBINE_CHUNK = 4096
+
+
+def moe_combine(
+    y: torch.Tensor, dest: torch.Tensor, topk_weights: torch.Tensor, ws: Workspace | None = None
+) -> torch.Tensor:
+    """Grouped output y (rows, H) -> (M, H) fp32: out[m] = sum_s w[m, s] * y[dest[m*topk+s]].
+    With `ws`, the result is its "combine.acc" view (valid until the next call)."""
     m, topk = topk_weights.shape
-    valid = (dest >= 0)[:, None]
-    rows = y[dest.clamp(min=0)].float()  # where, not a 0-weight product: pad rows may hold NaN
-    w = topk_weights.reshape(-1, 1).float()
-    return torch.where(valid, rows * w, torch.zeros_like(rows)).reshape(m, topk, -1).sum(1)
+    t, hid = m * topk, y.shape[1]
+    if ws is None:
+        ws = Workspace(y.device, "moe_combine")
+        moe_gather_reserve(ws, t, 0)
+        ws.reserve("combine.w", (t,), torch.float32)
+        moe_combine_reserve(ws, m, topk, hid, y.dtype)
+    i64 = torch.int64
+    dc, inv = ws.get("layout.dc", (t,), i64), ws.get("layout.inv", (t,), torch.bool)
+    tok, w = ws.get("layout.tok", (t,), i64), ws.get("combine.w", (t,), torch.float32)
+    torch.lt(dest, 0, out=inv)
+    torch.clamp(dest, min=0, out=dc)
+    torch.arange(t, out=tok)
+    tok.floor_divide_(topk)
+    w.view(m, topk).copy_(topk_weights)
+    acc = ws.get("combine.acc", (m, hid), torch.float32).zero_()
+    c = min(t, COMBINE_CHUNK)
+    rows, prod = ws.get("combine.rows", (c, hid), y.dtype), ws.get("f32", (c, hid), torch.float32)
+    for r0 in range(0, t, c):
+        r1 = min(t, r0 + c)
+        g, p = rows[: r1 - r0], prod[: r1 - r0]
+        torch.index_select(y, 0, dc[r0:r1], out=g)
+        p.copy_(g)
+        p.mul_(w[r0:r1, None])
+        p.masked_fill_(inv[r0:r1, None], 0.0)  # masked, not a 0-weight product: pad rows may be NaN
+        acc.index_add_(0, tok[r0:r1], p)
+    return acc
+
+
+def moe_gather_reserve(ws: Workspace, t: int, rows: int) -> None:
+    """The scratch of `moe_gather` for t = M*topk assignments into `rows` grouped rows."""
+    for name in ("dc", "tok"):
+        ws.reserve(f"layout.{name}", (t,), torch.int64)
+    ws.reserve("layout.inv", (t,), torch.bool)
+    ws.reserve("gather.src", (rows + 1,), torch.int64)
+    ws.reserve("gather.pad", (rows + 1,), torch.bool)
+
+
+def moe_combine_reserve(
+    ws: Workspace, m: int, topk: int, hid: int, dtype: torch.dtype = torch.bfloat16
+) -> None:
+    """Warm-up: the (M, H)-sized buffers of `moe_combine` (y rows of `dtype`)."""
+    c = min(m * topk, COMBINE_CHUNK)
+    ws.reserve("combine.acc", (m, hid), torch.float32)
+    ws.reserve("combine.rows", (c, hid), dtype)
+    ws.reserve("f32", (c, hid), torch.float32)
 
 
 # --------------------------------------------------------------------------- kernel contract
@@ -424,10 +541,12 @@ def nvfp4_linear_sm100(
     alpha: torch.Tensor,
     swiglu_limit: float | None = None,
     out: torch.Tensor | None = None,
+    ws: Workspace | None = None,
 ) -> torch.Tensor:
     """y = alpha * quant(x) . w^T (W4A4). x: bf16 (M, K); w, w_sf from `prepare_weight`
     ((N, K//2), blocked (N, K//16)); input_scale, alpha: fp32 (1,) device. Returns bf16 (M, N),
-    or (M, N//2) with the fused SwiGLU (w13 interleaved)."""
+    or (M, N//2) with the fused SwiGLU (w13 interleaved). The quantized x ("q", "sf") lives in
+    `ws` if given (`quant_reserve`), else is allocated."""
     m, k = x.shape
     n = w.shape[0]
     n_out = n // 2 if swiglu_limit is not None else n
@@ -436,8 +555,7 @@ def nvfp4_linear_sm100(
     if m == 0:
         return out
     pm = formats.round_up(m, TILE_M)
-    q = x.new_empty((pm, k // 2), dtype=torch.uint8)
-    sf = x.new_empty((pm, k // 16), dtype=torch.uint8)
+    q, sf = _quant_bufs(x, ws, pm, k)
     quantize_act(x, input_scale, pm, q, sf)
     gemm(q, sf, w, w_sf, alpha, out[:, :, None], m_a=pm, k=k, swiglu_limit=swiglu_limit)
     return out
@@ -450,6 +568,7 @@ def nvfp4_grouped_oproj_sm100(
     input_scale: torch.Tensor,
     alpha: torch.Tensor,
     out: torch.Tensor | None = None,
+    ws: Workspace | None = None,
 ) -> torch.Tensor:
     """wo_a: out[t, g] = alpha[g] * quant(x[t, g]) . W_g^T. x: bf16 (T, G, D), read in place;
     w: uint8 (G*R, D//2) and w_sf blocked (G*R, D//16) from `prepare_weight` (R % 128 == 0);
@@ -461,8 +580,7 @@ def nvfp4_grouped_oproj_sm100(
     if t == 0:
         return out
     pt = oproj_padded_t(t)
-    q = x.new_empty((g * pt, d // 2), dtype=torch.uint8)
-    sf = x.new_empty((g * pt, d // 16), dtype=torch.uint8)
+    q, sf = _quant_bufs(x, ws, g * pt, d)
     quantize_act(x, input_scale, pt, q, sf)
     gemm(q, sf, w, w_sf, alpha.expand(g).contiguous(), oproj_out_view(out), m_a=pt, k=d)
     return out
@@ -481,9 +599,11 @@ def nvfp4_moe_sm100(
     alpha13: torch.Tensor,
     alpha2: torch.Tensor,
     limit: float = 10.0,
+    ws: Workspace | None = None,
 ) -> torch.Tensor:
     """Routed experts, W4A4: gather -> quant -> grouped L1 + fused clamped SwiGLU -> quant ->
-    grouped L2 -> weighted combine. w13: uint8 (E*2I, H//2) interleaved (`interleave_w13`), w13_sf
+    grouped L2 -> weighted combine. With `ws` (`moe_reserve`) every intermediate and the result
+    are views of it (the result is valid until the next call). w13: uint8 (E*2I, H//2) interleaved (`interleave_w13`), w13_sf
     blocked (E*2I, H//16); w2 (E*H, I//2), w2_sf (E*H, I//16); a13/a2_scale fp32 (1,);
     alpha13 = a13_scale*w13_gs (E,), alpha2 = a2_scale*w2_gs (E,). Returns fp32 (M, H)."""
     m, hid = x.shape
@@ -491,16 +611,44 @@ def nvfp4_moe_sm100(
     i2 = w13.shape[0] // e
     topk = topk_ids.shape[1]
     rows = moe_max_rows(m, topk, e)
-    offs, dest = moe_layout(topk_ids, e)
-    a = moe_gather(x, dest, topk, rows)
-    q = x.new_empty((rows, hid // 2), dtype=torch.uint8)
-    sf = x.new_empty((rows, hid // 16), dtype=torch.uint8)
+    if ws is None:
+        ws = Workspace(x.device, "moe")
+        moe_reserve(ws, m, topk, e, hid, i2 // 2)
+    ws.get("combine.acc", (m, hid), torch.float32)  # a too-large M fails before any launch
+    offs, dest = moe_layout(topk_ids, e, ws)
+    a = moe_gather(x, dest, topk, rows, ws, out=ws.get("a", (rows, hid), torch.bfloat16))
+    q, sf = _quant_bufs(x, ws, rows, hid)
     quantize_act(a, a13_scale, rows, q, sf)
-    h = x.new_zeros((rows, i2 // 2))
+    h = ws.get("h", (rows, i2 // 2), torch.bfloat16).zero_()
     gemm(q, sf, w13, w13_sf, alpha13, h[:, :, None], m_a=rows, k=hid, offs=offs, swiglu_limit=limit)
-    q2 = x.new_empty((rows, i2 // 4), dtype=torch.uint8)
-    sf2 = x.new_empty((rows, i2 // 32), dtype=torch.uint8)
+    q2, sf2 = _quant_bufs(x, ws, rows, i2 // 2)
     quantize_act(h, a2_scale, rows, q2, sf2)
-    y = x.new_zeros((rows, hid))
+    y = ws.get("a", (rows, hid), torch.bfloat16).zero_()  # a is dead: y reuses its memory
     gemm(q2, sf2, w2, w2_sf, alpha2, y[:, :, None], m_a=rows, k=i2 // 2, offs=offs)
-    return moe_combine(y, dest, topk_weights)
+    return moe_combine(y, dest, topk_weights, ws)
+
+
+def quant_reserve(ws: Workspace, rows: int, k: int) -> None:
+    """Warm-up: the NVFP4 activation buffers ("q" (rows, K//2), "sf" (rows, K//16) uint8)."""
+    ws.reserve("q", (rows, k // 2), torch.uint8)
+    ws.reserve("sf", (rows, k // 16), torch.uint8)
+
+
+def _quant_bufs(
+    x: torch.Tensor, ws: Workspace | None, rows: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if ws is None:
+        return (x.new_empty((rows, k // 2), dtype=torch.uint8),
+                x.new_empty((rows, k // 16), dtype=torch.uint8))  # fmt: skip
+    return ws.get("q", (rows, k // 2), torch.uint8), ws.get("sf", (rows, k // 16), torch.uint8)
+
+
+def moe_reserve(ws: Workspace, m: int, topk: int, e: int, hid: int, i: int) -> None:
+    """Warm-up: every buffer `nvfp4_moe_sm100` takes from `ws` for up to m tokens (H = hid,
+    intermediate size I = i)."""
+    rows = moe_max_rows(m, topk, e)
+    moe_layout_reserve(ws, m, topk, e)
+    moe_combine_reserve(ws, m, topk, hid)
+    ws.reserve("a", (rows, hid), torch.bfloat16)
+    ws.reserve("h", (rows, i), torch.bfloat16)
+    quant_reserve(ws, rows, max(hid, i))

@@ -3,13 +3,27 @@ w13 interleaved for the fused clamped SwiGLU), then the W4A4 launchers (activati
 with the static input scale, block-scaled GEMM, alpha = input_scale · weight_scale_2).
 
 Never run on a GPU: we have no Blackwell machine (see README). Compiled for sm_100a in CI.
+
+Hot path: no compile once warm, no host sync, no CPU tensor. The only allocations are the op
+results (a linear's / the shared MLP's [M, N], the grouped o-proj's [T, G, R]: a torch.library
+custom op returns new tensors) and a copy of a non-contiguous input. Intermediates (the NVFP4
+activations and their scales, the shared MLP's h, the MoE layout, gathered rows, h, y and the
+fp32 combine accumulator) are views of a `cutedsl.workspace` reserved by `warmup(max_tokens)`
+(MoE and o-proj: role "main"; shared MLP: role "shared", vLLM may run it on a side stream; a
+linear: a private one, DSv4 runs two linears concurrently), fetched per call; a call with more
+rows than warmed up raises `cutedsl.workspace.WorkspaceError`. torch.sort / torch.cumsum of the
+MoE layout may take cub scratch from the caching allocator (inside torch).
 """
 
 from __future__ import annotations
 
 import torch
 
-from cutedsl import sm100
+from cutedsl import formats, sm100
+from cutedsl.workspace import Workspace, for_role
+
+# Routed rows reserved per token: topk <= 8 (DSv4 uses 6).
+MAX_TOPK = 8
 
 
 def _need(name: str, t: torch.Tensor | None) -> torch.Tensor:
@@ -25,6 +39,10 @@ class _Warm:
 
     def warmup(self, max_tokens: int) -> None:  # one compile serves every M
         sm100.warmup(self.limit)
+        self._reserve(max_tokens)
+
+    def _reserve(self, max_tokens: int) -> None:
+        raise NotImplementedError
 
 
 class _Linear(_Warm):
@@ -32,9 +50,17 @@ class _Linear(_Warm):
         self.w, self.sf = sm100.prepare_weight(r.weight, r.weight_scale)
         self.a_scale = _need("input_scale", r.input_scale)
         self.alpha = self.a_scale * r.weight_scale_2
+        self.ws = Workspace(r.weight.device, "linear")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return sm100.nvfp4_linear_sm100(x.contiguous(), self.w, self.sf, self.a_scale, self.alpha)
+        return sm100.nvfp4_linear_sm100(
+            x.contiguous(), self.w, self.sf, self.a_scale, self.alpha, ws=self.ws
+        )
+
+    def _reserve(self, max_tokens: int) -> None:
+        sm100.quant_reserve(
+            self.ws, formats.round_up(max_tokens, sm100.TILE_M), self.w.shape[1] * 2
+        )
 
 
 class _GroupedOproj(_Warm):
@@ -42,9 +68,15 @@ class _GroupedOproj(_Warm):
         self.w, self.sf = sm100.prepare_weight(r.weight, r.weight_scale)
         self.a_scale = _need("input_scale", r.input_scale)
         self.alpha = (self.a_scale * r.weight_scale_2).expand(r.n_groups).contiguous()
+        self.g, self.device = r.n_groups, r.weight.device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, G, D] (read in place) → [T, G, R]
-        return sm100.nvfp4_grouped_oproj_sm100(x, self.w, self.sf, self.a_scale, self.alpha)
+        ws = for_role(self.device, "main")
+        return sm100.nvfp4_grouped_oproj_sm100(x, self.w, self.sf, self.a_scale, self.alpha, ws=ws)
+
+    def _reserve(self, max_tokens: int) -> None:
+        rows = self.g * sm100.oproj_padded_t(max_tokens)
+        sm100.quant_reserve(for_role(self.device, "main"), rows, self.w.shape[1] * 2)
 
 
 def _fused_limit(r) -> float:
@@ -63,12 +95,22 @@ class _SharedMlp(_Warm):
         self.a13 = _need("w13_input_scale", r.w13_input_scale)
         self.a2 = _need("w2_input_scale", r.w2_input_scale)
         self.alpha13, self.alpha2 = self.a13 * r.w13_scale_2, self.a2 * r.w2_scale_2
+        self.device = r.w13.device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = sm100.nvfp4_linear_sm100(
-            x.contiguous(), self.w13, self.sf13, self.a13, self.alpha13, swiglu_limit=self.limit
-        )
-        return sm100.nvfp4_linear_sm100(h, self.w2, self.sf2, self.a2, self.alpha2)
+        ws = for_role(self.device, "shared")
+        h = ws.get("h", (x.shape[0], self.w2.shape[1] * 2), torch.bfloat16)
+        sm100.nvfp4_linear_sm100(
+            x.contiguous(), self.w13, self.sf13, self.a13, self.alpha13, swiglu_limit=self.limit,
+            out=h, ws=ws,
+        )  # fmt: skip
+        return sm100.nvfp4_linear_sm100(h, self.w2, self.sf2, self.a2, self.alpha2, ws=ws)
+
+    def _reserve(self, max_tokens: int) -> None:
+        ws = for_role(self.device, "shared")
+        i, hid = self.w2.shape[1] * 2, self.w13.shape[1] * 2
+        ws.reserve("h", (max_tokens, i), torch.bfloat16)
+        sm100.quant_reserve(ws, formats.round_up(max_tokens, sm100.TILE_M), max(i, hid))
 
 
 class _MoE(_Warm):
@@ -84,13 +126,19 @@ class _MoE(_Warm):
         self.a13 = _need("w13_input_scale", r.w13_input_scale)
         self.a2 = _need("w2_input_scale", r.w2_input_scale)
         self.alpha13, self.alpha2 = self.a13 * r.w13_scale_2, self.a2 * r.w2_scale_2
+        self.e, self.h, self.i, self.device = e, h, r.i, r.w13.device
 
     def __call__(self, x, topk_ids, topk_weights, out) -> None:
         y = sm100.nvfp4_moe_sm100(
             x.contiguous(), topk_ids, topk_weights, self.w13, self.sf13, self.w2, self.sf2,
             self.a13, self.a2, self.alpha13, self.alpha2, self.limit,
+            ws=for_role(self.device, "main"),
         )  # fmt: skip
         out.copy_(y)
+
+    def _reserve(self, max_tokens: int) -> None:
+        ws = for_role(self.device, "main")
+        sm100.moe_reserve(ws, max_tokens, MAX_TOPK, self.e, self.h, self.i)
 
 
 # The factories `Runner._make_impl` looks up by the runner's kind.

@@ -17,8 +17,9 @@ carries a K tile's scales); the global scale becomes an fp32 [L] vector.
 Compile cache: keyed on compile-time values only (tile_n, tile_m, split_k, moe, out dtype); M, N,
 K, the group count, strides and addresses are runtime values (fake tensors with symbolic extents),
 so one compile serves every token count and routing. CUDA graphs: call `warmup()` (or each launch
-function once) before capture; the launch path allocates only outputs (and the fp32 split-K
-buffer), never syncs with the host and never compiles once warm.
+function once) before capture; the launch path allocates only outputs not given (and the fp32
+split-K buffer unless a `workspace` is given), never syncs with the host and never compiles once
+warm.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import threading
 from dataclasses import dataclass
 
 import torch
+
+from cutedsl.workspace import Workspace
 
 _BK = 64
 # Token tiles verified on the H200 (2026-12-02); others are refused before compiling.
@@ -195,7 +198,10 @@ def _launch(
     out3: torch.Tensor,  # (La, M, N) bf16 contiguous
     offs: torch.Tensor | None,
     tactic: tuple[int, int, int] | None,
+    workspace: Workspace | None = None,
 ) -> None:
+    """Launch one GEMM. Split-K tactics accumulate in an fp32 (La, M, N) buffer, zeroed per call:
+    the view "splitk" of `workspace` (reserved at warm-up), else a fresh allocation."""
     la, m, k = a3.shape
     moe = offs is not None
     if tactic is None:
@@ -217,7 +223,10 @@ def _launch(
     if split_k == 1:
         fn(a_v, w_v, sf_v, wp.gs, out3.permute(2, 1, 0), offs_t)
     else:
-        ws = torch.zeros(out3.shape, dtype=torch.float32, device=out3.device)
+        if workspace is None:
+            ws = torch.zeros(out3.shape, dtype=torch.float32, device=out3.device)
+        else:
+            ws = workspace.get("splitk", tuple(out3.shape), torch.float32).zero_()
         fn(a_v, w_v, sf_v, wp.gs, ws.permute(2, 1, 0), offs_t)
         out3.copy_(ws)
 
@@ -227,6 +236,7 @@ def sm90_nvfp4_gemm_prepared(
     wp: Sm90Nvfp4Weight,  # one group
     out: torch.Tensor | None = None,  # (M, N) bf16
     tactic: tuple[int, int, int] | None = None,
+    workspace: Workspace | None = None,  # split-K scratch ("splitk"); None allocates it
 ) -> torch.Tensor:
     """out = a @ dequant(wp)^T, fp32 accumulation, BF16 out. M may be 0."""
     if wp.groups != 1:
@@ -239,7 +249,7 @@ def sm90_nvfp4_gemm_prepared(
         out = a.new_empty((m, wp.n))
     if m == 0:
         return out
-    _launch(a.unsqueeze(0), wp, out.view(1, m, wp.n), None, tactic)
+    _launch(a.unsqueeze(0), wp, out.view(1, m, wp.n), None, tactic, workspace)
     return out
 
 
@@ -259,6 +269,7 @@ def sm90_nvfp4_grouped_gemm(
     wp: Sm90Nvfp4Weight,  # G groups
     out: torch.Tensor | None = None,  # (G, M, N) bf16
     tactic: tuple[int, int, int] | None = None,
+    workspace: Workspace | None = None,  # split-K scratch ("splitk"); None allocates it
 ) -> torch.Tensor:
     """out[g] = a[g] @ dequant(wp[g])^T for G equal groups (wo_a)."""
     _check_a(a, wp.k)
@@ -269,7 +280,7 @@ def sm90_nvfp4_grouped_gemm(
         out = a.new_empty((g, m, wp.n))
     if m == 0:
         return out
-    _launch(a, wp, out, None, tactic)
+    _launch(a, wp, out, None, tactic, workspace)
     return out
 
 
@@ -279,6 +290,7 @@ def sm90_nvfp4_moe_gemm(
     wp: Sm90Nvfp4Weight,  # E groups
     out: torch.Tensor | None = None,  # (T, N) bf16
     tactic: tuple[int, int, int] | None = None,
+    workspace: Workspace | None = None,  # split-K scratch ("splitk"); None allocates it
 ) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ dequant(wp[e])^T. One compile serves every routing; rows
     outside [offs[0], offs[E]) are not written."""
@@ -294,7 +306,7 @@ def sm90_nvfp4_moe_gemm(
         out = a.new_empty((t, wp.n))
     if t == 0:
         return out
-    _launch(a.unsqueeze(0), wp, out.view(1, t, wp.n), offs, tactic)
+    _launch(a.unsqueeze(0), wp, out.view(1, t, wp.n), offs, tactic, workspace)
     return out
 
 

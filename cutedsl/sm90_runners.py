@@ -1,9 +1,21 @@
 """The sm90 backend of each runner: weights prepared once, then the W4A16 kernels of `cutedsl.sm90`.
 
 Every impl is a callable with the runner's `run` signature (inputs already checked, M > 0) and a
-`warmup(max_tokens)` that compiles every tactic the heuristic can pick for 1..max_tokens rows.
-Hot path: no compile once warm, no host sync, no CPU tensor; allocations are the outputs and the
-intermediates, from the caching allocator (inside a CUDA graph, from the graph's private pool).
+`warmup(max_tokens)` that compiles every tactic the heuristic can pick for 1..max_tokens rows and
+reserves the impl's scratch in its `cutedsl.workspace` (routed experts and grouped o-proj: role
+"main"; shared-expert MLP: role "shared", as vLLM may run it on a side stream next to the routed
+experts; a linear: a private one, as DSv4 runs two linears concurrently).
+
+Hot path: no compile once warm, no lock, no host sync, no CPU tensor, no data-dependent host
+branch. The only allocations are the op results (a linear's / the shared MLP's [M, N], the
+grouped o-proj's [T, G, R]: a torch.library custom op returns new tensors; inside a CUDA graph
+they come from the graph's private pool) and a copy of a non-contiguous input. Every
+intermediate (split-K fp32 buffers, the o-proj's per-group operand and output, routing buffers,
+the gathered MoE rows, h, the SwiGLU result and its fp32 scratch, y, the combine accumulator) is
+a view of the workspace fetched per call; a call with more rows than warmed up raises
+`cutedsl.workspace.WorkspaceError`. Kernel operands keep the layouts the kernels were validated
+with (contiguous, same strides). torch.sort takes cub scratch from the caching allocator for more
+than 4096 routed rows (prefill sizes); that is inside torch.
 """
 
 from __future__ import annotations
@@ -11,31 +23,81 @@ from __future__ import annotations
 import torch
 
 from cutedsl import sm90
-from cutedsl.moe import route
+from cutedsl.moe import route, route_reserve
+from cutedsl.workspace import Workspace, for_role
+
+# Rows per chunk of the fp32 scratch of the SwiGLU and the MoE combine (bounds that scratch to
+# CHUNK x max(2I, H) fp32 whatever the token count).
+CHUNK = 4096
+# Routed rows reserved per token: topk <= 8 (DSv4 uses 6); the tactic warm-up assumes it too.
+MAX_TOPK = 8
 
 
 def _tactics(n: int, k: int, groups: int, max_tokens: int, moe: bool) -> set[tuple]:
     return {(*sm90.launch_tactic(m, n, k, groups, moe), moe) for m in range(1, max_tokens + 1)}
 
 
-def swiglu_clamp_bf16(h: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """h [M, 2I] bf16 (gate | up) → silu(min(gate, L)) · clamp(up, −L, L) in fp32 → bf16 [M, I]."""
-    i = h.shape[1] // 2
-    g, u = h[:, :i].float(), h[:, i:].float()
-    if limit is not None:
-        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-    return (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
+def _reserve_splitk(ws: Workspace, wp: sm90.Sm90Nvfp4Weight, max_tokens: int) -> None:
+    """The largest fp32 split-K buffer a dense / grouped launch of 1..max_tokens rows uses."""
+    rows = [m for m in range(1, max_tokens + 1) if sm90.launch_tactic(m, wp.n, wp.k, wp.groups,
+                                                                      False)[2] > 1]  # fmt: skip
+    if rows:
+        ws.reserve("splitk", (wp.groups, max(rows), wp.n), torch.float32)
+
+
+def swiglu_clamp_bf16(
+    h: torch.Tensor,
+    limit: float | None,
+    out: torch.Tensor | None = None,
+    tmp: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """h [M, 2I] bf16 (gate | up) → silu(min(gate, L)) · clamp(up, −L, L) in fp32 → bf16 [M, I].
+
+    out: bf16 [M, I] (allocated if None); tmp: fp32 [2, C, I] scratch (allocated if None), used
+    in chunks of C rows. Same fp32 operations as the out-of-place form, in place."""
+    m, i = h.shape[0], h.shape[1] // 2
+    if out is None:
+        out = h.new_empty((m, i))
+    if tmp is None:
+        tmp = torch.empty((2, m, i), dtype=torch.float32, device=h.device)
+    c = tmp.shape[1]
+    for r0 in range(0, m, c):
+        r1 = min(m, r0 + c)
+        g, u = tmp[0, : r1 - r0], tmp[1, : r1 - r0]
+        g.copy_(h[r0:r1, :i])
+        u.copy_(h[r0:r1, i:])
+        if limit is not None:
+            g.clamp_(max=limit)
+            u.clamp_(min=-limit, max=limit)
+        torch.nn.functional.silu(g, inplace=True)
+        g.mul_(u)
+        out[r0:r1].copy_(g)
+    return out
+
+
+def _mlp_reserve(ws: Workspace, rows: int, i: int) -> None:
+    ws.reserve("h", (rows, 2 * i), torch.bfloat16)
+    ws.reserve("s", (rows, i), torch.bfloat16)
+    ws.reserve("f32", (2, min(rows, CHUNK), i), torch.float32)
+
+
+def _swiglu(ws: Workspace, h: torch.Tensor, limit: float | None) -> torch.Tensor:
+    m, i = h.shape[0], h.shape[1] // 2
+    tmp = ws.get("f32", (2, min(m, CHUNK), i), torch.float32)
+    return swiglu_clamp_bf16(h, limit, ws.get("s", (m, i), torch.bfloat16), tmp)
 
 
 class _Linear:
     def __init__(self, r) -> None:
         self.wp = sm90.prepare_nvfp4_weight(r.weight, r.weight_scale, r.weight_scale_2)
+        self.ws = Workspace(r.weight.device, "linear")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return sm90.sm90_nvfp4_gemm_prepared(x.contiguous(), self.wp)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # output: the op's result
+        return sm90.sm90_nvfp4_gemm_prepared(x.contiguous(), self.wp, workspace=self.ws)
 
     def warmup(self, max_tokens: int) -> None:
         sm90.warmup(sorted(_tactics(self.wp.n, self.wp.k, 1, max_tokens, False)))
+        _reserve_splitk(self.ws, self.wp, max_tokens)
 
 
 class _GroupedOproj:
@@ -43,13 +105,26 @@ class _GroupedOproj:
         self.wp = sm90.prepare_nvfp4_weight(
             r.weight, r.weight_scale, r.weight_scale_2, groups=r.n_groups
         )
+        self.device = r.weight.device
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, G, D] → [T, G, R]
-        y = sm90.sm90_nvfp4_grouped_gemm(x.transpose(0, 1).contiguous(), self.wp)
-        return y.transpose(0, 1).contiguous()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, G, D] → [T, G, R] (the result)
+        ws = for_role(self.device, "main")
+        t, g, d = x.shape
+        a = ws.get("a", (g, t, d), torch.bfloat16)
+        a.copy_(x.transpose(0, 1))  # per-group contiguous [G, T, D]
+        y = ws.get("h", (g, t, self.wp.n), torch.bfloat16)
+        sm90.sm90_nvfp4_grouped_gemm(a, self.wp, out=y, workspace=ws)
+        out = x.new_empty((t, g, self.wp.n))
+        out.copy_(y.transpose(0, 1))
+        return out
 
     def warmup(self, max_tokens: int) -> None:
         sm90.warmup(sorted(_tactics(self.wp.n, self.wp.k, self.wp.groups, max_tokens, False)))
+        ws = for_role(self.device, "main")
+        g, t = self.wp.groups, max_tokens
+        ws.reserve("a", (g, t, self.wp.k), torch.bfloat16)
+        ws.reserve("h", (g, t, self.wp.n), torch.bfloat16)
+        _reserve_splitk(ws, self.wp, max_tokens)
 
 
 class _SharedMlp:
@@ -57,14 +132,22 @@ class _SharedMlp:
         self.wp13 = sm90.prepare_nvfp4_weight(r.w13, r.w13_scale, r.w13_scale_2)
         self.wp2 = sm90.prepare_nvfp4_weight(r.w2, r.w2_scale, r.w2_scale_2)
         self.limit = r.swiglu_limit
+        self.device = r.w13.device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = sm90.sm90_nvfp4_gemm_prepared(x.contiguous(), self.wp13)
-        return sm90.sm90_nvfp4_gemm_prepared(swiglu_clamp_bf16(h, self.limit), self.wp2)
+        ws = for_role(self.device, "shared")
+        h = ws.get("h", (x.shape[0], self.wp13.n), torch.bfloat16)
+        sm90.sm90_nvfp4_gemm_prepared(x.contiguous(), self.wp13, out=h, workspace=ws)
+        s = _swiglu(ws, h, self.limit)
+        return sm90.sm90_nvfp4_gemm_prepared(s, self.wp2, workspace=ws)  # the op's result
 
     def warmup(self, max_tokens: int) -> None:
         t = _tactics(self.wp13.n, self.wp13.k, 1, max_tokens, False)
         sm90.warmup(sorted(t | _tactics(self.wp2.n, self.wp2.k, 1, max_tokens, False)))
+        ws = for_role(self.device, "shared")
+        _mlp_reserve(ws, max_tokens, self.wp2.k)
+        _reserve_splitk(ws, self.wp13, max_tokens)
+        _reserve_splitk(ws, self.wp2, max_tokens)
 
 
 class _MoE:
@@ -73,25 +156,53 @@ class _MoE:
         self.wp13 = sm90.prepare_nvfp4_weight(r.w13, r.w13_scale, r.w13_scale_2, groups=r.e)
         self.wp2 = sm90.prepare_nvfp4_weight(r.w2, r.w2_scale, r.w2_scale_2, groups=r.e)
         self.limit = r.swiglu_limit
+        self.device = r.w13.device
 
     def __call__(self, x, topk_ids, topk_weights, out) -> None:
+        ws = for_role(self.device, "main")
         m, topk = topk_ids.shape
-        order, offs, valid = route(topk_ids, self.e)
-        a = x[order // topk]  # [M·topk, H], rows grouped by expert, non-local rows last
-        h = sm90.sm90_nvfp4_moe_gemm(a, offs, self.wp13)
-        y = sm90.sm90_nvfp4_moe_gemm(swiglu_clamp_bf16(h, self.limit), offs, self.wp2)
+        t, hid = m * topk, self.wp2.n
+        acc = ws.get("moe.acc", (m, hid), torch.float32)  # first: a too-large M fails early
+        order, offs, valid = route(topk_ids, self.e, ws)
+        tok = ws.get("moe.tok", (t,), torch.int64)
+        torch.floor_divide(order, topk, out=tok)  # token of each sorted row
+        a = ws.get("a", (t, hid), torch.bfloat16)
+        torch.index_select(x, 0, tok, out=a)  # [M·topk, H], rows grouped by expert
+        h = ws.get("h", (t, self.wp13.n), torch.bfloat16)
+        sm90.sm90_nvfp4_moe_gemm(a, offs, self.wp13, out=h)
+        s = _swiglu(ws, h, self.limit)
+        y = ws.get("a", (t, hid), torch.bfloat16)  # a is dead: y reuses its memory
+        sm90.sm90_nvfp4_moe_gemm(s, offs, self.wp2, out=y)
         # Rows past offs[E] (non-local assignments) are not written by the kernel: mask them.
-        w = torch.where(valid, topk_weights.reshape(-1)[order], 0.0)
-        y = torch.where(valid[:, None], y.float() * w[:, None], 0.0)
-        acc = torch.zeros(m, y.shape[1], dtype=torch.float32, device=x.device)
-        acc.index_add_(0, order // topk, y)
+        w = ws.get("moe.w", (t,), torch.float32)
+        torch.take(topk_weights, order, out=w)
+        torch.logical_not(valid, out=valid)  # valid now marks the non-local rows
+        acc.zero_()
+        c = min(t, CHUNK)
+        prod = ws.get("f32", (c, hid), torch.float32)
+        for r0 in range(0, t, c):
+            r1 = min(t, r0 + c)
+            p = prod[: r1 - r0]
+            p.copy_(y[r0:r1])
+            p.mul_(w[r0:r1, None])
+            p.masked_fill_(valid[r0:r1, None], 0.0)
+            acc.index_add_(0, tok[r0:r1], p)
         out.copy_(acc)
 
     def warmup(self, max_tokens: int) -> None:
         t = set()
         for wp in (self.wp13, self.wp2):
-            t |= _tactics(wp.n, wp.k, self.e, max_tokens * 8, True)
+            t |= _tactics(wp.n, wp.k, self.e, max_tokens * MAX_TOPK, True)
         sm90.warmup(sorted(t))
+        ws = for_role(self.device, "main")
+        rows, hid = max_tokens * MAX_TOPK, self.wp2.n
+        route_reserve(ws, rows, self.e)
+        ws.reserve("moe.tok", (rows,), torch.int64)
+        ws.reserve("moe.w", (rows,), torch.float32)
+        ws.reserve("moe.acc", (max_tokens, hid), torch.float32)
+        ws.reserve("a", (rows, hid), torch.bfloat16)
+        _mlp_reserve(ws, rows, self.wp2.k)
+        ws.reserve("f32", (min(rows, CHUNK), hid), torch.float32)
 
 
 # The factories `Runner._make_impl` looks up by the runner's kind.

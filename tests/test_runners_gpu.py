@@ -2,6 +2,8 @@
 
 Warm up, capture one call on static buffers, write fresh data into the same buffers, replay, and
 compare with the torch reference on the same quantized operands; no compile after warm-up.
+And issue #7: after warm-up a call allocates nothing from the caching allocator but its result
+(intermediates come from `cutedsl.workspace`), and more rows than warmed up are refused.
 """
 
 from __future__ import annotations
@@ -13,6 +15,16 @@ from nvfp4_data import quantized
 from cutedsl import reference
 
 pytestmark = pytest.mark.sm90
+
+
+@pytest.fixture(autouse=True)
+def _fresh_workspaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with empty shared workspaces: a buffer a (dead) graph of an earlier test
+    captured may not grow (cutedsl.workspace), and in vLLM every warm-up precedes capture."""
+    from cutedsl import workspace
+
+    monkeypatch.setattr(workspace, "_SHARED", {})
+
 
 LIMIT = 10.0
 
@@ -120,3 +132,85 @@ def test_moe_graph(case: str) -> None:
         return reference.nvfp4_moe_ref(x, ids, w, *w13, *w2, LIMIT)
 
     _graph_check(lambda *a: moe(*a), inputs, ref, m, moe)
+
+
+def _bf(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
+
+
+def _case(name: str):
+    """(runner, max_tokens, make_args, reference, op outputs one call allocates)."""
+    from cutedsl.grouped_oproj import Nvfp4GroupedOproj
+    from cutedsl.linear import Nvfp4Linear
+    from cutedsl.moe import Nvfp4MoE
+    from cutedsl.shared_mlp import Nvfp4SharedMlp
+
+    if name == "linear":  # one row: split-K, through the workspace's fp32 buffer
+        wq = quantized(1536, 4096, device="cuda")
+        run = Nvfp4Linear(*wq, backend="sm90")
+        return run, 4, lambda: (_bf(1, 4096),), lambda x: reference.nvfp4_linear_ref(x, *wq), 1
+    if name == "grouped_oproj":  # [T, G, D] → [T, G, R]
+        g, r, d = 8, 1024, 4096
+        wq = quantized(g * r, d, scale=0.05, device="cuda")
+        run = Nvfp4GroupedOproj(*wq, n_groups=g, backend="sm90")
+        return (
+            run,
+            8,
+            lambda: (_bf(5, g, d),),
+            lambda x: reference.nvfp4_grouped_oproj_ref(x, *wq),
+            1,
+        )
+    if name == "shared_mlp":
+        h, i = 4096, 2048
+        w13 = quantized(2 * i, h, scale=0.05, device="cuda")
+        w2 = quantized(h, i, scale=0.05, device="cuda")
+        run = Nvfp4SharedMlp(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="sm90")
+        return (run, 8, lambda: (_bf(8, h, scale=4.0),),
+                lambda x: reference.nvfp4_shared_mlp_ref(x, *w13, *w2, LIMIT), 1)  # fmt: skip
+    e, h, i, m, k = 16, 1024, 256, 24, 6
+    w13 = quantized(e, 2 * i, h, scale=0.1, device="cuda")
+    w2 = quantized(e, h, i, scale=0.1, device="cuda")
+    run = Nvfp4MoE(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="sm90")
+
+    def args():
+        ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(m)]).int()
+        ids[::2, 4:] = -1  # some non-local assignments
+        out = torch.full((m, h), float("nan"), device="cuda", dtype=torch.bfloat16)
+        return _bf(m, h, scale=2.0), ids, torch.rand(m, k, device="cuda"), out
+
+    def ref(x, ids, w, out):
+        return reference.nvfp4_moe_ref(x, ids, w, *w13, *w2, LIMIT)
+
+    return run, 32, args, ref, 0  # writes vLLM's `out`: no output of its own
+
+
+@pytest.mark.parametrize("name", ["linear", "grouped_oproj", "shared_mlp", "moe"])
+def test_second_call_allocates_only_the_op_outputs(name: str) -> None:
+    """Issue #7: after warm-up, a runner's sm90 hot path (`runner._impl`, the backend past the
+    input checks) allocates nothing but its result (allocation.all.allocated counts every
+    caching-allocator allocation); intermediates, split-K buffers, routing buffers and the MoE
+    combine accumulator come from the warm-up workspaces. Fresh data on the second call, and
+    its result checked against the reference (NaN-poisoned `out` for the MoE)."""
+    runner, max_tokens, make_args, ref, outputs = _case(name)
+    runner.warmup(max_tokens)
+    runner._impl(*make_args())  # first call: loads the kernel modules
+    args = make_args()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    y = runner._impl(*args)
+    after = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.synchronize()
+    assert after - before <= outputs, f"{after - before} allocations, op outputs {outputs}"
+    _assert_close(args[-1] if y is None else y, ref(*args))
+
+
+def test_more_rows_than_warmed_up_is_refused() -> None:
+    from cutedsl.workspace import WorkspaceError
+
+    runner, max_tokens, make_args, _, _ = _case("moe")
+    runner.warmup(max_tokens)
+    x, ids, w, out = make_args()
+    m = 8 * max_tokens + 1  # more than MAX_TOPK·max_tokens routed rows, or max_tokens tokens
+    with pytest.raises(WorkspaceError, match=r"warmup\(max_tokens\)"):
+        runner._impl(x.repeat(m, 1)[:m], ids.repeat(m, 1)[:m], w.repeat(m, 1)[:m],
+                     out.repeat(m, 1)[:m])  # fmt: skip

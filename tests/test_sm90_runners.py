@@ -1,33 +1,54 @@
 """The sm90 backend glue of each runner (weight prep, group/expert layouts, routing, clamp,
-combine) on the CPU, with the kernel launch replaced by a torch statement of its contract on the
-exact buffers the launchers pass, against the W4A16 torch references. The kernels themselves run
-in tests/test_gemm_sm90.py and tests/test_runners_gpu.py on an SM90 GPU."""
+combine, workspaces) on the CPU, with the kernel launch replaced by a torch statement of its
+contract on the exact buffers the launchers pass (split-K tactics accumulate in the workspace's
+fp32 buffer, as `sm90._launch` does), against the W4A16 torch references. The kernels themselves
+run in tests/test_gemm_sm90.py and tests/test_runners_gpu.py on an SM90 GPU.
+
+Every impl is warmed up first; its workspace buffers are then poisoned with 0xFF bytes (NaN for
+bf16/fp32), and each call runs with `Workspace.reserve` forbidden (a hot-path reservation would
+be an allocation), twice, on fresh data."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from nvfp4_data import assert_close_to_ref, bf16, fresh_gen, quantized
 
-from cutedsl import formats, reference, sm90, sm90_runners
+from cutedsl import formats, reference, sm90, sm90_runners, workspace
 from cutedsl.grouped_oproj import Nvfp4GroupedOproj
 from cutedsl.linear import Nvfp4Linear
 from cutedsl.moe import Nvfp4MoE
 from cutedsl.shared_mlp import Nvfp4SharedMlp
+from cutedsl.workspace import Workspace, WorkspaceError
 
 LIMIT = 10.0
 
 
 @pytest.fixture
-def emulated_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+def emulated_launch(monkeypatch: pytest.MonkeyPatch) -> list:
     """`sm90._launch` as torch: out3[l] = a3[l] · dequant(wp[l])ᵀ (dense / groups), or per expert
-    rows [offs[e], offs[e+1]) of a3[0] (MoE); rows outside the experts are left untouched."""
+    rows [offs[e], offs[e+1]) of a3[0] (MoE); rows outside the experts are left untouched.
+    Split-K tactics go through the fp32 "splitk" view of the workspace. `sm90.warmup` records
+    the tactics instead of compiling; the shared workspaces start empty. Returns the split-K
+    launches seen (tactic, workspace given)."""
+    monkeypatch.setattr(workspace, "_SHARED", {})
+    monkeypatch.setattr(sm90, "warmup", lambda tactics: None)
+    splits: list = []
 
-    def launch(a3, wp, out3, offs, tactic):
+    def launch(a3, wp, out3, offs, tactic, ws=None):
         sf = wp.sf.transpose(1, 2).view(torch.float8_e4m3fn)  # back to [L, N, K/16]
         w = formats.dequantize_nvfp4(wp.w, sf, 1.0, torch.float32) * wp.gs[:, None, None]
         if offs is None:
-            out3.copy_(torch.einsum("lmk,lnk->lmn", a3.float(), w))
+            res = torch.einsum("lmk,lnk->lmn", a3.float(), w)
+            tac = tactic or sm90.launch_tactic(a3.shape[1], wp.n, wp.k, wp.groups, False)
+            if tac[2] > 1:
+                splits.append((tac, ws is not None))
+                buf = ws.get("splitk", tuple(out3.shape), torch.float32).zero_()
+                buf += res
+                res = buf
+            out3.copy_(res)
             return
         o = offs.tolist()
         for e in range(wp.groups):
@@ -35,51 +56,183 @@ def emulated_launch(monkeypatch: pytest.MonkeyPatch) -> None:
             out3[0, s:t] = (a3[0, s:t].float() @ w[e].T).to(out3.dtype)
 
     monkeypatch.setattr(sm90, "_launch", launch)
+    return splits
 
 
-def test_linear(emulated_launch) -> None:
+def _workspaces(impl) -> list[Workspace]:
+    own = [v for v in vars(impl).values() if isinstance(v, Workspace)]
+    return own + list(workspace._SHARED.values())
+
+
+@contextlib.contextmanager
+def _no_reserve(monkeypatch: pytest.MonkeyPatch):
+    def refuse(self, name, shape, dtype):
+        raise AssertionError(f"hot path reserved {self.label}/{name} {list(shape)} {dtype}")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Workspace, "reserve", refuse)
+        yield
+
+
+def _warm(impl, max_tokens: int) -> None:
+    impl.warmup(max_tokens)
+    wss = _workspaces(impl)
+    assert wss and any(ws._bufs for ws in wss), "warm-up reserved nothing"
+    for ws in wss:
+        for b in ws._bufs.values():
+            b.fill_(0xFF)  # NaN in bf16 / fp32: an intermediate read before written shows
+
+
+def test_linear(emulated_launch, monkeypatch) -> None:
     g = fresh_gen()
-    wq, x = quantized(128, 256, gen=g), bf16(9, 256, gen=g)
-    r = Nvfp4Linear(*wq, backend="reference")
-    assert_close_to_ref(sm90_runners.linear_impl(r)(x), reference.nvfp4_linear_ref(x, *wq))
+    n, k = 128, 4096  # decode M: the heuristic splits K, through the private workspace
+    r = Nvfp4Linear(*(wq := quantized(n, k, gen=g)), backend="reference")
+    impl = sm90_runners.linear_impl(r)
+    _warm(impl, 16)
+    for m in (9, 16):
+        x = bf16(m, k, gen=g)
+        with _no_reserve(monkeypatch):
+            got = impl(x)
+        assert_close_to_ref(got, reference.nvfp4_linear_ref(x, *wq))
+    assert emulated_launch and all(given for _, given in emulated_launch)
+    assert sm90.launch_tactic(17, n, k, 1, False)[2] > 1  # 17 rows split K too
+    with pytest.raises(WorkspaceError, match=r"linear/splitk: needs .* reserved; .*warmup"):
+        impl(bf16(17, k, gen=g))
 
 
-def test_grouped_oproj(emulated_launch) -> None:
+def test_grouped_oproj(emulated_launch, monkeypatch) -> None:
     g = fresh_gen()
     t, grp, d, rr = 5, 4, 128, 64
-    wq, x = quantized(grp * rr, d, gen=g), bf16(t, grp, d, gen=g)
+    wq = quantized(grp * rr, d, gen=g)
     r = Nvfp4GroupedOproj(*wq, n_groups=grp, backend="reference")
-    assert_close_to_ref(
-        sm90_runners.grouped_oproj_impl(r)(x), reference.nvfp4_grouped_oproj_ref(x, *wq)
-    )
+    impl = sm90_runners.grouped_oproj_impl(r)
+    _warm(impl, 8)
+    for tt in (t, 8):
+        x = bf16(tt, grp, d, gen=g)
+        with _no_reserve(monkeypatch):
+            got = impl(x)
+        assert_close_to_ref(got, reference.nvfp4_grouped_oproj_ref(x, *wq))
+    with pytest.raises(WorkspaceError, match=r"main/a: needs .* reserved; Runner.warmup"):
+        impl(bf16(9, grp, d, gen=g))
 
 
-def test_shared_mlp(emulated_launch) -> None:
+def test_grouped_oproj_run_rotates_into_the_workspace(emulated_launch, monkeypatch) -> None:
+    """The GPU backends' run(): inverse RoPE written into the "main" workspace (no allocation but
+    the result), then the impl; equals the reference backend's run() on the same o."""
     g = fresh_gen()
-    h, i, m = 128, 64, 6
-    w13, w2, x = (
-        quantized(2 * i, h, gen=g),
-        quantized(h, i, gen=g, scale=0.3),
-        bf16(m, h, gen=g, scale=3.0),
-    )
+    grp, rr, nh, hd = 2, 64, 4, 128  # D = NH·hd/G = 256
+    wq = quantized(grp * rr, nh * hd // grp, gen=g)
+    ref = Nvfp4GroupedOproj(*wq, n_groups=grp, backend="reference")
+    r = Nvfp4GroupedOproj(*wq, n_groups=grp, head_dim=hd, backend="reference")
+    r.backend, r._impl = "sm90", sm90_runners.grouped_oproj_impl(r)  # the sm90 glue, emulated
+    r.warmup(8)
+    for ws in (workspace.for_role(torch.device("cpu"), "main"),):
+        for b in ws._bufs.values():
+            b.fill_(0xFF)
+    theta = torch.rand(50, 32, generator=g) * 6.28
+    cache = torch.cat([theta.cos(), theta.sin()], dim=-1)
+    for t in (3, 8):
+        o, pos = bf16(t, nh, hd, gen=g), torch.randint(0, 50, (t,), generator=g)
+        with _no_reserve(monkeypatch):
+            got = r.run(o, pos, cache)
+        want = ref.run(o, pos, cache)
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    with pytest.raises(WorkspaceError, match="rope"):
+        r.run(bf16(9, nh, hd, gen=g), torch.zeros(9, dtype=torch.long), cache)
+
+
+def test_inverse_rope_into_matches_the_reference() -> None:
+    from cutedsl.grouped_oproj import inverse_rope_into
+
+    g = fresh_gen()
+    t, nh, hd = 7, 3, 128
+    o, pos = bf16(t, nh, hd, gen=g), torch.randint(0, 40, (t,), generator=g)
+    theta = torch.rand(40, 32, generator=g) * 6.28
+    cache = torch.cat([theta.cos(), theta.sin()], dim=-1)
+    ws = Workspace("cpu")
+    for name, shape in (("rope.cs", (t, 64)), ("rope.e", (t, nh, 32)), ("rope.o", (t, nh, 32)),
+                        ("rope.y", (t, nh, 32))):  # fmt: skip
+        ws.reserve(name, shape, torch.float32)
+    out = torch.full_like(o, float("nan"))
+    inverse_rope_into(out, o, pos, cache, ws)
+    want = reference.inverse_rope_ref(o, pos, cache)
+    assert torch.equal(out[..., :-64], o[..., :-64])  # the nope part passes through
+    # fp32 math as the reference; a fused multiply-add may round the last fp32 bit differently
+    torch.testing.assert_close(out.float(), want.float(), rtol=8e-3, atol=1e-6)
+
+
+def test_shared_mlp(emulated_launch, monkeypatch) -> None:
+    g = fresh_gen()
+    h, i = 128, 64
+    w13, w2 = quantized(2 * i, h, gen=g), quantized(h, i, gen=g, scale=0.3)
     r = Nvfp4SharedMlp(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="reference")
-    want = reference.nvfp4_shared_mlp_ref(x, *w13, *w2, LIMIT)
-    assert_close_to_ref(sm90_runners.shared_mlp_impl(r)(x), want)
+    impl = sm90_runners.shared_mlp_impl(r)
+    _warm(impl, 6)
+    assert set(workspace._SHARED) == {(torch.device("cpu"), "shared")}  # not "main"
+    for m in (6, 3):
+        x = bf16(m, h, gen=g, scale=3.0)
+        with _no_reserve(monkeypatch):
+            got = impl(x)
+        assert_close_to_ref(got, reference.nvfp4_shared_mlp_ref(x, *w13, *w2, LIMIT))
+    with pytest.raises(WorkspaceError, match=r"shared/h: needs .* reserved"):
+        impl(bf16(7, h, gen=g))
+
+
+def test_swiglu_chunks_match_out_of_place(monkeypatch) -> None:
+    """The in-place, chunked SwiGLU equals the fp32 out-of-place formula bit for bit."""
+    g = fresh_gen()
+    hh = bf16(37, 2 * 48, gen=g, scale=8.0)
+    gate, up = hh[:, :48].float(), hh[:, 48:].float()
+    want = (torch.nn.functional.silu(gate.clamp(max=LIMIT)) * up.clamp(-LIMIT, LIMIT)).bfloat16()
+    tmp = torch.full((2, 8, 48), float("nan"))
+    got = sm90_runners.swiglu_clamp_bf16(hh, LIMIT, torch.full_like(want, float("nan")), tmp)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("case", ["random", "one_expert", "not_local"])
-def test_moe(emulated_launch, case: str) -> None:
+def test_moe(emulated_launch, monkeypatch, case: str) -> None:
     g = fresh_gen()
-    e, h, i, m, k = 5, 128, 64, 11, 3
+    e, h, i, k, max_m = 5, 128, 64, 3, 11
     w13, w2 = quantized(e, 2 * i, h, gen=g, scale=0.5), quantized(e, h, i, gen=g, scale=0.3)
-    x = bf16(m, h, gen=g, scale=2.0)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
-    if case == "one_expert":
-        ids[:, 0], ids[:, 1:] = 4, -1
-    elif case == "not_local":
-        ids[::2, 1:] = -1
-    tw = torch.rand(m, k, generator=g)
     r = Nvfp4MoE(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="reference")
-    out = torch.full((m, h), float("nan"), dtype=torch.bfloat16)
-    sm90_runners.moe_impl(r)(x, ids, tw, out)
-    assert_close_to_ref(out, reference.nvfp4_moe_ref(x, ids, tw, *w13, *w2, LIMIT))
+    impl = sm90_runners.moe_impl(r)
+    monkeypatch.setattr(sm90_runners, "CHUNK", 8)  # several SwiGLU / combine chunks
+    _warm(impl, max_m)
+    for m in (max_m, 4):
+        x = bf16(m, h, gen=g, scale=2.0)
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
+        if case == "one_expert":
+            ids[:, 0], ids[:, 1:] = 4, -1
+        elif case == "not_local":
+            ids[::2, 1:] = -1
+        tw = torch.rand(m, k, generator=g)
+        out = torch.full((m, h), float("nan"), dtype=torch.bfloat16)
+        with _no_reserve(monkeypatch):
+            impl(x, ids, tw, out)
+        assert_close_to_ref(out, reference.nvfp4_moe_ref(x, ids, tw, *w13, *w2, LIMIT))
+    m = max_m + 1
+    ids = torch.zeros(m, k, dtype=torch.int32)
+    with pytest.raises(WorkspaceError, match=r"main/moe\.acc: needs .* reserved"):
+        impl(bf16(m, h, gen=g), ids, torch.rand(m, k), torch.empty(m, h, dtype=torch.bfloat16))
+
+
+def test_route_into_workspace_matches_fresh() -> None:
+    """route() with a reserved workspace returns the same (order, offs, valid) as without."""
+    from cutedsl.moe import route, route_reserve
+
+    g = fresh_gen()
+    e, m, k = 6, 17, 4
+    ids = torch.randint(-1, e, (m, k), generator=g).int()
+    ws = Workspace("cpu", "t")
+    route_reserve(ws, 2 * m * k, e)
+    for b in ws._bufs.values():
+        b.fill_(0xFF)
+    got, want = route(ids, e, ws), route(ids, e)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    flat = ids.reshape(-1).long()
+    key = torch.where(flat >= 0, flat, e)
+    assert torch.equal(got[0], torch.sort(key, stable=True).indices)
+    counts = torch.bincount(key, minlength=e + 1)
+    assert got[1].tolist() == [0, *torch.cumsum(counts[:e], 0).tolist()]

@@ -1,17 +1,48 @@
-"""`python -m cutedsl.bench.gemm_sm90`: the sm_90a NVFP4 W4A16 GEMM vs cuBLAS BF16 (and Marlin).
+"""`python -m cutedsl.bench.gemm_sm90`: sm_90a NVFP4 W4A16 GEMMs vs cuBLAS BF16, Marlin, DeepGEMM FP8.
 
-python -m cutedsl.bench.gemm_sm90 [--model flash|pro|both] [--ms 1,4,...] [--json PATH] [--md PATH]
+python -m cutedsl.bench.gemm_sm90 [--model flash|pro|all] [--ms 1,4,...] [--shapes a,b]
+    [--time-budget S] [--json PATH] [--md PATH] [--list-shapes]
 
-Timing: each implementation is captured in a CUDA graph of `reps` back-to-back calls that cycle
-through enough weight copies to exceed 3x the 60 MB L2 (weights are cold every call, as in decode
-where each layer's weights are read once); the graph is replayed 5 times and the median is
-divided by `reps`. Launch overhead of the host wrapper is therefore excluded (as under vLLM's
-CUDA graphs). Byte formula (one place): weight + scale bytes = N*K*(0.5 + 1/16) per group
-(NVFP4, 0.5625 B/param); cuBLAS BF16 reads N*K*2. Activations/outputs are not counted in GB/s.
-FLOPs = 2*M*N*K per group. Copy bandwidth is measured here as a 1 GiB device-to-device copy
-(read + write bytes / time).
-Marlin: vLLM 0.21.0's `apply_fp4_marlin_linear` on weights of the same shape when vLLM imports;
-otherwise its columns are empty and the header says so.
+Shapes (per model, from its config; see FLASH_CONFIG / PRO_CONFIG): fused_wqa_wkv, wq_b, wo_a
+(G equal groups, a[G, M, K]), wo_b, shared expert L1/L2 (dense), routed experts L1/L2 ("moe": the
+M*topk routed rows grouped by per-expert offsets from `routing()`, a seeded top-k routing with
+per-expert popularity skew, distinct experts per token).
+
+Timing (unchanged method): each implementation is captured in a CUDA graph of `reps` back-to-back
+calls that cycle through enough weight copies (dense, wo_a) or routings (moe: different experts
+active each call) to exceed 3x the 60 MB L2, so weights are cold every call, as in decode where
+each layer's weights are read once; the graph is replayed 5 times (after 3 warm-up calls) and the
+median replay time is divided by `reps`, CUDA events around each replay. Host launch overhead is
+excluded (as under vLLM's CUDA graphs). Where one copy of the weights is already > 3x L2 a single
+copy is used.
+
+Bytes (one place, `weight_bytes`): NVFP4 weight + e4m3 scales = N*K*(0.5 + 1/16) per group or per
+*active* expert; cuBLAS BF16 reads N*K*2; DeepGEMM FP8 N*K*(1 + 4/128^2). Activations/outputs are
+not counted in GB/s. FLOPs = 2*rows*N*K per group. Copy bandwidth: a 1 GiB device-to-device copy,
+read + write bytes / time. `pct_copy_bw` = our weight GB/s / copy bandwidth (the MD shows it for
+M <= 32 only, where the GEMM should be weight-bandwidth bound).
+
+Columns:
+- ours: cutedsl.sm90 (BF16 activations, no activation quantization at all).
+- cuBLAS: torch.matmul (dense) / torch.bmm (wo_a), BF16; routed experts: torch._grouped_mm (BF16,
+  CUTLASS in torch, not cuBLAS; named in `cublas_impl`).
+- Marlin: vLLM 0.21.0 `apply_fp4_marlin_linear` (NVFP4 W4A16), dense shapes only; n/a otherwise.
+- DeepGEMM: vLLM 0.21.0's bundled DeepGEMM (vllm.third_party.deep_gemm, through the wrappers in
+  vllm.utils.deep_gemm, as vLLM calls them) on FP8 e4m3 block weights (128x128 blocks, fp32
+  scales) and FP8 activations (1x128 groups, fp32 scales, MN-major TMA-aligned, pre-transformed):
+  dense `fp8_gemm_nt((a, sa), (w, sw), out)`; wo_a `fp8_einsum("bhr,hdr->bhd", (a, sa), (w, sw),
+  z, recipe=(1, 128, 128))` (vLLM's SM90 o-proj recipe); routed experts
+  `m_grouped_fp8_gemm_nt_contiguous((a, sa), (w, sw), out, m_indices)` on rows padded per expert
+  to get_mk_alignment_for_contiguous_layout() (padding rows -1; vLLM itself only takes this path
+  when the batch has >= that many tokens, `_valid_deep_gemm_shape`, and uses Triton below).
+  `deepgemm_us` EXCLUDES activation quantization; `deepgemm_quant_us` is vLLM's
+  per_token_group_quant_fp8(x, 128, column_major_scales=True) on the A rows the GEMM consumes,
+  timed alone (wo_a: on [M*G, K]; vLLM fuses that with inverse RoPE instead); `deepgemm_total_us`
+  = the sum. Rows where DeepGEMM does not apply say "n/a: ..." in `deepgemm_error`; a DeepGEMM
+  failure (no JIT, unsupported shape) is recorded there and never stops the run.
+Ratios are speedups of ours: x_<impl> = t_<impl> / t_ours (> 1: ours is faster).
+--time-budget S: stop starting new measurements when they would not finish before S seconds;
+JSON/MD are rewritten after every shape, so whatever finished is always on disk.
 """
 
 # ruff: noqa: B023  (the lambdas are captured into a graph within the same iteration)
@@ -24,30 +55,141 @@ import json
 import math
 import statistics
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 L2_BYTES = 60 * 2**20
 M_LIST = [1, 4, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384]
-SHAPES = {  # name: (groups, N, K)
-    "flash": [
-        ("fused_wqa_wkv", 1, 1536, 4096),
-        ("wq_b", 1, 32768, 1024),
-        ("wo_a(G=8)", 8, 1024, 4096),
-        ("wo_b", 1, 4096, 8192),
-        ("expert_w13", 1, 4096, 4096),
-        ("expert_w2", 1, 4096, 2048),
-    ],
-    "pro": [
-        ("wo_a(G=16)", 16, 1024, 4096),
-        ("shared_w13", 1, 6144, 7168),
-        ("shared_w2", 1, 7168, 3072),
-    ],
+MODELS = ("flash", "pro")
+
+# Config keys as in cutedsl/tools/tiny_model.py (native DeepSeek names).
+# Flash: = tiny_model PRESETS["flash-layers"] + _BASE (head_dim 512, top-6, 1 shared expert);
+# /work/shared/research/anchors.md §3.1 and vllm021_dsv4.md §1.2 agree.
+FLASH_CONFIG = {
+    "hidden_size": 4096,
+    "num_attention_heads": 64,
+    "head_dim": 512,
+    "q_lora_rank": 1024,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048,
+    "n_shared_experts": 1,
 }
+# Pro: /work/shared/research/anchors.md §3.1 "Sizes (config.json values)", whose source is the
+# config mirror https://huggingface.co/SinterForge/DeepSeek-V4-Pro/blob/main/config.json [S] and
+# DeepGEMM PR #316 (expert dims) [P]; vllm021_dsv4.md §1.2 agrees (H 7168, NH 128, Q 1536, G 16).
+PRO_CONFIG = {
+    "hidden_size": 7168,
+    "num_attention_heads": 128,
+    "head_dim": 512,
+    "q_lora_rank": 1536,
+    "o_groups": 16,
+    "o_lora_rank": 1024,
+    "n_routed_experts": 384,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 3072,
+    "n_shared_experts": 1,
+}
+CONFIGS = {"flash": FLASH_CONFIG, "pro": PRO_CONFIG}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One GEMM of a layer. kind: "dense" (a[M, K] @ W[N, K]^T), "grouped" (wo_a: G equal
+    groups, a[G, M, K] @ W[g][N, K]^T) or "moe" (E experts; M*topk routed rows, grouped by
+    expert offsets, row block of expert e times W[e][N, K]^T)."""
+
+    name: str
+    kind: str
+    n: int
+    k: int
+    groups: int = 1  # G for "grouped", E for "moe", 1 for "dense"
+    topk: int = 0  # "moe" only
+
+    def rows(self, m: int) -> int:
+        """Rows of A for m tokens: m (dense), m per group (grouped), m*topk (moe)."""
+        return m * self.topk if self.kind == "moe" else m
+
+
+def shapes_from_config(cfg: dict) -> list[Shape]:
+    """The benchmarked GEMMs of one DSv4 layer from its config (native keys)."""
+    h, nh, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    q, g, r = cfg["q_lora_rank"], cfg["o_groups"], cfg["o_lora_rank"]
+    e, topk, i = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    i_s = i * cfg.get("n_shared_experts", 1)
+    return [
+        Shape("fused_wqa_wkv", "dense", q + d, h),  # wq_a [Q, H] ++ wkv [D, H]
+        Shape("wq_b", "dense", nh * d, q),
+        Shape(f"wo_a(G={g})", "grouped", r, nh * d // g, groups=g),
+        Shape("wo_b", "dense", h, g * r),
+        Shape("shared_w13", "dense", 2 * i_s, h),
+        Shape("shared_w2", "dense", h, i_s),
+        Shape(f"routed_w13(E={e})", "moe", 2 * i, h, groups=e, topk=topk),
+        Shape(f"routed_w2(E={e})", "moe", h, i, groups=e, topk=topk),
+    ]
+
+
+SHAPES: dict[str, list[Shape]] = {m: shapes_from_config(c) for m, c in CONFIGS.items()}
 
 
 def weight_bytes(groups: int, n: int, k: int) -> float:
+    """NVFP4 weight + e4m3 block-scale bytes of `groups` [N, K] matrices (0.5625 B/param)."""
     return groups * n * k * (0.5 + 1 / 16)
+
+
+def fp8_weight_bytes(groups: int, n: int, k: int) -> float:
+    """FP8 e4m3 weight + fp32 128x128 block-scale bytes."""
+    return groups * n * k * (1 + 4 / 128**2)
+
+
+# ------------------------------------------------------------------------------ routing
+
+
+def routing(m: int, e: int, topk: int, seed: int = 0, skew: float = 1.0) -> torch.Tensor:
+    """Seeded top-k routing, int64 [m, topk] on the CPU, distinct experts per token.
+
+    Expert popularity is fixed (log-normal weights, sigma=`skew`, from a generator seeded 1234) so
+    routings with different `seed` share the same load imbalance, as consecutive batches do; each
+    token draws topk experts without replacement (Gumbel top-k)."""
+    if not 0 < topk <= e:
+        raise ValueError(f"topk={topk}: expected 0 < topk <= E={e}")
+    pop = torch.randn(e, generator=torch.Generator().manual_seed(1234)) * skew
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(m, e, generator=g).clamp_(1e-12, 1 - 1e-7)
+    return (pop - torch.log(-torch.log(u))).topk(topk, dim=1).indices
+
+
+def expert_counts(topk_ids: torch.Tensor, e: int) -> torch.Tensor:
+    """Rows per expert, int64 [E]; sums to topk_ids.numel()."""
+    return torch.bincount(topk_ids.reshape(-1), minlength=e)
+
+
+def expert_offsets(counts: torch.Tensor) -> torch.Tensor:
+    """int32 [E+1]: expert e owns rows [offs[e], offs[e+1]); offs[0] = 0, offs[E] = sum."""
+    offs = torch.zeros(counts.numel() + 1, dtype=torch.int32)
+    offs[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    return offs
+
+
+def contiguous_m_indices(counts: torch.Tensor, align: int) -> torch.Tensor:
+    """DeepGEMM contiguous layout, int32 [sum(round_up(c, align))]: expert id per row, -1 on the
+    padding rows that round each expert's block up to `align` (zero-row experts get no rows)."""
+    parts = []
+    for ex, c in enumerate(counts.tolist()):
+        pad = -(-c // align) * align
+        if pad:
+            blk = torch.full((pad,), -1, dtype=torch.int32)
+            blk[:c] = ex
+            parts.append(blk)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+
+
+# ------------------------------------------------------------------------------ timing
 
 
 def _graph_time_us(fns: list, reps: int) -> float:
@@ -73,6 +215,14 @@ def _graph_time_us(fns: list, reps: int) -> float:
     return statistics.median(ts)
 
 
+def _reps(flops: float) -> int:
+    return int(max(3, min(200, 2e5 / max(1.0, flops / 5e8))))  # ~<=200 calls, long shapes fewer
+
+
+def _copies(nbytes: float) -> int:
+    return max(1, min(64, math.ceil(3 * L2_BYTES / max(1.0, nbytes))))
+
+
 def copy_bandwidth_gbps() -> float:
     x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -80,7 +230,269 @@ def copy_bandwidth_gbps() -> float:
     return 2 * x.numel() / t / 1e3
 
 
-def _marlin():
+class Budget:
+    """Wall-clock budget: `fits()` says whether another measurement may start."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.t0 = time.monotonic()
+        self.longest = 0.0
+        self.stopped = ""
+
+    def left(self) -> float:
+        if self.seconds is None:
+            return math.inf
+        return self.seconds - (time.monotonic() - self.t0)
+
+    def fits(self, what: str) -> bool:
+        """True when 3x the longest measurement so far (at least 10 s) is still left."""
+        if self.stopped:
+            return False
+        if self.left() < max(10.0, 3 * self.longest):
+            self.stopped = f"time budget {self.seconds}s reached before {what}"
+            print(f"[bench] {self.stopped}; stopping", flush=True)
+            return False
+        return True
+
+    def measure(self, fn: Callable[[], float]) -> float:
+        t = time.monotonic()
+        try:
+            return fn()
+        finally:
+            self.longest = max(self.longest, time.monotonic() - t)
+
+
+def _err(e: BaseException) -> str:
+    """One-line error string for a record: "error: Type: first line of the message"."""
+    lines = str(e).strip().splitlines()
+    return f"error: {type(e).__name__}: {lines[0][:200] if lines else ''}".rstrip()
+
+
+def _rand_fp8(shape: tuple, device: str = "cuda") -> torch.Tensor:
+    # bytes < 0x70: finite e4m3 values (no NaN encodings); timing does not depend on the values
+    return torch.randint(0, 0x70, shape, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+
+
+def _routings(shape: Shape, m: int) -> list[torch.Tensor]:
+    """Expert counts (int64 [E] each) of enough routings (seeds 0, 1, ...) that the NVFP4 bytes of
+    the experts they touch exceed 3x L2 in total (at most 8). Every implementation gets the same
+    list (NVFP4 is the smallest format, so the others are at least as cold)."""
+    active_bytes_per_expert = weight_bytes(1, shape.n, shape.k)
+    out = []
+    touched = 0.0
+    for seed in range(8):
+        c = expert_counts(routing(m, shape.groups, shape.topk, seed=seed), shape.groups)
+        out.append(c)
+        touched += int((c > 0).sum()) * active_bytes_per_expert
+        if touched >= 3 * L2_BYTES:
+            break
+    return out
+
+
+def active_experts(counts: list[torch.Tensor]) -> float:
+    """Mean number of experts with at least one row over the routings."""
+    return round(sum(int((c > 0).sum()) for c in counts) / len(counts), 1)
+
+
+# ------------------------------------------------------------------------------ rows
+
+
+def new_row(model: str, shape: Shape, m: int) -> dict:
+    """An empty record for (shape, m); every measured field None until filled."""
+    r = dict(
+        model=model,
+        shape=f"{model}.{shape.name}",
+        kind=shape.kind,
+        G=shape.groups if shape.kind == "grouped" else 1,
+        E=shape.groups if shape.kind == "moe" else None,
+        topk=shape.topk or None,
+        M=m,
+        rows=shape.rows(m),
+        N=shape.n,
+        K=shape.k,
+        active_experts=None,
+        tactic=None,
+    )
+    for key in (
+        "us tflops weight_GBps pct_copy_bw cublas_us cublas_tflops cublas_weight_GBps cublas_impl "
+        "marlin_us marlin_tflops marlin_weight_GBps deepgemm_us deepgemm_tflops deepgemm_quant_us "
+        "deepgemm_total_us deepgemm_rows deepgemm_weight_GBps x_cublas x_marlin x_deepgemm "
+        "x_deepgemm_total ours_error cublas_error marlin_error deepgemm_error"
+    ).split():
+        r[key] = None
+    return r
+
+
+def finalize_row(r: dict, copy_bw: float | None) -> dict:
+    """Fill the derived columns (TF/s, GB/s, % copy bandwidth, speedups) from the times."""
+    groups = r["G"] if r["kind"] == "grouped" else (r["active_experts"] or 1)
+    flops = 2.0 * r["rows"] * r["N"] * r["K"] * (r["G"] if r["kind"] == "grouped" else 1)
+    wb = weight_bytes(groups, r["N"], r["K"])
+
+    def rnd(x, p):
+        return None if x is None else round(x, p)
+
+    def tf(t):
+        return rnd(flops / t / 1e6, 1) if t else None
+
+    t = r["us"]
+    r["tflops"] = tf(t)
+    r["weight_GBps"] = rnd(wb / t / 1e3, 0) if t else None
+    r["pct_copy_bw"] = rnd(100 * wb / t / 1e3 / copy_bw, 1) if t and copy_bw else None
+    r["cublas_tflops"] = tf(r["cublas_us"])
+    r["cublas_weight_GBps"] = (
+        rnd(groups * r["N"] * r["K"] * 2 / r["cublas_us"] / 1e3, 0) if (r["cublas_us"]) else None
+    )
+    r["marlin_tflops"] = tf(r["marlin_us"])
+    r["marlin_weight_GBps"] = rnd(wb / r["marlin_us"] / 1e3, 0) if r["marlin_us"] else None
+    r["deepgemm_tflops"] = tf(r["deepgemm_us"])
+    r["deepgemm_weight_GBps"] = (
+        rnd(fp8_weight_bytes(groups, r["N"], r["K"]) / r["deepgemm_us"] / 1e3, 0)
+        if r["deepgemm_us"]
+        else None
+    )
+    if r["deepgemm_us"] is not None and r["deepgemm_quant_us"] is not None:
+        r["deepgemm_total_us"] = round(r["deepgemm_us"] + r["deepgemm_quant_us"], 2)
+    for key, col in (
+        ("x_cublas", "cublas_us"),
+        ("x_marlin", "marlin_us"),
+        ("x_deepgemm", "deepgemm_us"),
+        ("x_deepgemm_total", "deepgemm_total_us"),
+    ):
+        r[key] = round(r[col] / t, 2) if t and r[col] else None
+    return r
+
+
+def summarize(rows: list[dict]) -> dict:
+    dec = [r for r in rows if r["M"] <= 32 and r["pct_copy_bw"]]
+    pre = [r for r in rows if r["M"] >= 4096 and r["x_cublas"]]
+
+    def col(rs, k):
+        return [r[k] for r in rs if r[k]]
+
+    return {
+        "decode_pct_copy_bw_min": min(col(dec, "pct_copy_bw"), default=None),
+        "decode_pct_copy_bw_geomean": _geo(col(dec, "pct_copy_bw")),
+        "prefill_x_cublas_min": min(col(pre, "x_cublas"), default=None),
+        "prefill_x_cublas_geomean": _geo(col(pre, "x_cublas")),
+        "x_marlin_geomean": _geo(col(rows, "x_marlin")),
+        "x_marlin_min": min(col(rows, "x_marlin"), default=None),
+        "x_deepgemm_geomean": _geo(col(rows, "x_deepgemm")),
+        "x_deepgemm_total_geomean": _geo(col(rows, "x_deepgemm_total")),
+    }
+
+
+def _geo(xs: list[float]):
+    xs = [x for x in xs if x and x > 0]
+    return round(math.exp(sum(math.log(x) for x in xs) / len(xs)), 3) if xs else None
+
+
+# ------------------------------------------------------------------------------ implementations
+
+
+def _set(rows_by_m: dict[int, dict], ms: list[int], key: str, value) -> None:
+    for m in ms:
+        rows_by_m[m][key] = value
+
+
+def bench_ours(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget) -> None:
+    """Time cutedsl.sm90 on `shape` for each m into rows_by_m[m]["us"] (errors into ours_error)."""
+    try:
+        from cutedsl import sm90 as S
+
+        g, n, k = shape.groups, shape.n, shape.k
+        n_copies = 1 if shape.kind == "moe" else _copies(weight_bytes(g, n, k))
+        wps = []
+        for _ in range(n_copies):
+            packed = torch.randint(0, 256, (g, n, k // 2), dtype=torch.uint8, device="cuda")
+            sf = (torch.rand(g, n, k // 16, device="cuda") * 4 + 2**-7).to(torch.float8_e4m3fn)
+            wps.append(S.prepare_nvfp4_weight(packed, sf, torch.full((g,), 0.01, device="cuda")))
+            del packed, sf
+    except Exception as e:  # noqa: BLE001 - one implementation failing never stops the run
+        _set(rows_by_m, ms, "ours_error", _err(e))
+        return
+    for m in ms:
+        if not budget.fits(f"ours {shape.name} M={m}"):
+            return
+        r = rows_by_m[m]
+        try:
+            rows = shape.rows(m)
+            if shape.kind == "moe":
+                cs = _routings(shape, m)
+                r["active_experts"] = active_experts(cs)
+                offs = [expert_offsets(c).to("cuda") for c in cs]
+                a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+                w0 = wps[0]
+                fns = [lambda o=o: S.sm90_nvfp4_moe_gemm(a, o, w0, out=out) for o in offs]
+                r["tactic"] = list(S.launch_tactic(rows, n, k, g, True))
+            elif shape.kind == "grouped":
+                a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
+                fns = [lambda wp=wp: S.sm90_nvfp4_grouped_gemm(a, wp, out=out) for wp in wps]
+                r["tactic"] = list(S.launch_tactic(m, n, k, g, False))
+            else:
+                a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                fns = [lambda wp=wp: S.sm90_nvfp4_gemm_prepared(a, wp, out=out) for wp in wps]
+                r["tactic"] = list(S.launch_tactic(m, n, k, 1, False))
+            fns[0]()  # compile outside capture
+            flops = 2.0 * rows * n * k * (g if shape.kind == "grouped" else 1)
+            r["us"] = round(budget.measure(lambda: _graph_time_us(fns, _reps(flops))), 2)
+        except Exception as e:  # noqa: BLE001
+            r["ours_error"] = _err(e)
+        print(f"  ours     {shape.name:20s} M={m:6d} us={r['us']} {r['ours_error'] or ''}")
+    del wps
+    torch.cuda.empty_cache()
+
+
+def bench_cublas(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget) -> None:
+    """BF16 baseline: torch.matmul / torch.bmm (cuBLAS), torch._grouped_mm for routed experts."""
+    g, n, k = shape.groups, shape.n, shape.k
+    impl = {
+        "dense": "torch.matmul (cuBLAS)",
+        "grouped": "torch.bmm (cuBLAS)",
+        "moe": "torch._grouped_mm",
+    }
+    _set(rows_by_m, ms, "cublas_impl", impl[shape.kind])
+    try:
+        n_copies = 1 if shape.kind == "moe" else _copies(g * n * k * 2)
+        ws = [torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) for _ in range(n_copies)]
+    except Exception as e:  # noqa: BLE001
+        _set(rows_by_m, ms, "cublas_error", _err(e))
+        return
+    for m in ms:
+        if not budget.fits(f"cuBLAS {shape.name} M={m}"):
+            return
+        r = rows_by_m[m]
+        try:
+            rows = shape.rows(m)
+            if shape.kind == "moe":
+                cs = _routings(shape, m)
+                r["active_experts"] = active_experts(cs)
+                ends = [expert_offsets(c)[1:].to("cuda") for c in cs]
+                a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                wt = ws[0].transpose(1, 2)  # [E, K, N], column-major as _grouped_mm wants
+                fns = [lambda e=e: torch._grouped_mm(a, wt, offs=e) for e in ends]
+            elif shape.kind == "grouped":
+                a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
+                fns = [lambda w=w: torch.bmm(a, w.transpose(1, 2), out=out) for w in ws]
+            else:
+                a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                fns = [lambda w=w: torch.matmul(a, w[0].t(), out=out) for w in ws]
+            flops = 2.0 * rows * n * k * (g if shape.kind == "grouped" else 1)
+            r["cublas_us"] = round(budget.measure(lambda: _graph_time_us(fns, _reps(flops))), 2)
+        except Exception as e:  # noqa: BLE001
+            r["cublas_error"] = _err(e)
+        print(f"  bf16     {shape.name:20s} M={m:6d} us={r['cublas_us']} {r['cublas_error'] or ''}")
+    del ws
+    torch.cuda.empty_cache()
+
+
+def load_marlin():
+    """((apply, rand_like, workspace), note) or (None, why not)."""
     try:
         from vllm.model_executor.layers.quantization.utils.marlin_utils import (
             marlin_make_workspace_new,
@@ -89,59 +501,42 @@ def _marlin():
             apply_fp4_marlin_linear,
             rand_marlin_weight_nvfp4_like,
         )
+
+        ws = marlin_make_workspace_new(torch.device("cuda"))
     except Exception as e:  # noqa: BLE001 - report why Marlin is absent, never fail the bench
-        return None, f"unavailable ({type(e).__name__}: {str(e)[:80]})"
-    ws = marlin_make_workspace_new(torch.device("cuda"))
+        return None, f"unavailable ({_err(e)})"
     return (apply_fp4_marlin_linear, rand_marlin_weight_nvfp4_like, ws), "vllm 0.21.0 Marlin"
 
 
-def bench_shape(name, groups, n, k, ms, marlin, rows, copy_bw):
-    from cutedsl import sm90 as S
-
-    wb = weight_bytes(groups, n, k)
-    copies = max(1, min(64, math.ceil(3 * L2_BYTES / wb)))
-    wps = []
-    for _ in range(copies):
-        packed = torch.randint(0, 256, (groups, n, k // 2), dtype=torch.uint8, device="cuda")
-        sf = (torch.rand(groups, n, k // 16, device="cuda") * 4 + 2**-7).to(torch.float8_e4m3fn)
-        wps.append(S.prepare_nvfp4_weight(packed, sf, torch.full((groups,), 0.01, device="cuda")))
-    bf_copies = max(1, min(64, math.ceil(3 * L2_BYTES / (groups * n * k * 2))))
-    from cutedsl import formats
-
-    w0 = formats.dequantize_nvfp4(wps[0].w, wps[0].sf.transpose(1, 2), wps[0].gs)  # (G, N, K)
-    wbf = [w0] + [w0.clone() for _ in range(bf_copies - 1)]
-    mq = None
-    if marlin is not None and groups == 1:
-        apply, rand_like, mws = marlin
+def bench_marlin(
+    shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget, marlin
+) -> None:
+    """vLLM Marlin NVFP4 W4A16 (apply_fp4_marlin_linear), dense shapes only."""
+    if shape.kind != "dense":
+        _set(rows_by_m, ms, "marlin_error", "n/a: Marlin column covers dense linears only")
+        return
+    if marlin[0] is None:
+        _set(rows_by_m, ms, "marlin_error", f"n/a: {marlin[1]}")
+        return
+    apply, rand_like, mws = marlin[0]
+    n, k = shape.n, shape.k
+    try:
         mq = []
-        for _ in range(copies):
-            _, qw, sc, gs = rand_like(
-                torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, 16
-            )
+        for _ in range(_copies(weight_bytes(1, n, k))):
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            _, qw, sc, gs = rand_like(w, 16)
             mq.append((qw, sc, gs))
+            del w
+    except Exception as e:  # noqa: BLE001
+        _set(rows_by_m, ms, "marlin_error", _err(e))
+        return
     for m in ms:
-        flops = 2.0 * groups * m * n * k
-        reps = int(max(3, min(200, 2e5 / max(1.0, flops / 5e8))))  # ~<=200 calls, long shapes fewer
-        a = torch.randn(groups, m, k, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(groups, m, n, device="cuda", dtype=torch.bfloat16)
-        if groups == 1:
-            a2, o2 = a[0], out[0]
-            fns = [lambda wp=wp: S.sm90_nvfp4_gemm_prepared(a2, wp, out=o2) for wp in wps]
-        else:
-            fns = [lambda wp=wp: S.sm90_nvfp4_grouped_gemm(a, wp, out=out) for wp in wps]
-        fns[0]()  # compile outside capture
-        t_ours = _graph_time_us(fns, reps)
-        tactic = S.choose_tactic(m, n, k, groups)
-        if groups == 1:
-            bfn = [lambda w=w: torch.matmul(a[0], w[0].t(), out=out[0]) for w in wbf]
-        else:
-            bfn = [lambda w=w: torch.bmm(a, w.transpose(1, 2), out=out) for w in wbf]
-        t_bf = _graph_time_us(bfn, reps)
-        t_mar = None
-        if mq is not None:
-            apply, _, mws = marlin
-            x = a[0]
-            mfn = [
+        if not budget.fits(f"Marlin {shape.name} M={m}"):
+            return
+        r = rows_by_m[m]
+        try:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            fns = [
                 lambda q=q: apply(
                     input=x,
                     weight=q[0],
@@ -153,128 +548,341 @@ def bench_shape(name, groups, n, k, ms, marlin, rows, copy_bw):
                 )
                 for q in mq
             ]
-            t_mar = _graph_time_us(mfn, reps)
-        r = dict(
-            shape=name,
-            G=groups,
-            M=m,
-            N=n,
-            K=k,
-            tactic=list(tactic),
-            us=round(t_ours, 2),
-            tflops=round(flops / t_ours / 1e6, 1),
-            weight_GBps=round(wb / t_ours / 1e3),
-            pct_copy_bw=round(100 * wb / t_ours / 1e3 / copy_bw, 1),
-            cublas_us=round(t_bf, 2),
-            cublas_tflops=round(flops / t_bf / 1e6, 1),
-            cublas_weight_GBps=round(groups * n * k * 2 / t_bf / 1e3),
-            marlin_us=None if t_mar is None else round(t_mar, 2),
-            marlin_tflops=None if t_mar is None else round(flops / t_mar / 1e6, 1),
-            marlin_weight_GBps=None if t_mar is None else round(wb / t_mar / 1e3),
-            x_cublas=round(t_bf / t_ours, 2),
-            x_marlin=None if t_mar is None else round(t_mar / t_ours, 2),
-        )
-        rows.append(r)
-        print(_fmt(r), flush=True)
-    del wps, wbf, mq
+            r["marlin_us"] = round(
+                budget.measure(lambda: _graph_time_us(fns, _reps(2.0 * m * n * k))), 2
+            )
+        except Exception as e:  # noqa: BLE001
+            r["marlin_error"] = _err(e)
+        print(f"  marlin   {shape.name:20s} M={m:6d} us={r['marlin_us']} {r['marlin_error'] or ''}")
+    del mq
     torch.cuda.empty_cache()
 
 
-HEAD = (
-    f"{'shape':20s} {'M':>6s} {'N':>6s} {'K':>5s} {'tactic':>11s} | {'us':>8s} {'TF/s':>6s} "
-    f"{'GB/s':>5s} {'%cp':>5s} | {'cuBLAS us':>9s} {'TF/s':>6s} | {'Marlin us':>9s} {'TF/s':>6s} "
-    f"{'GB/s':>5s} | {'x cuBLAS':>8s} {'x Marlin':>8s}"
-)
+@dataclass
+class DeepGemm:
+    """What `load_deepgemm` found: the vllm.utils.deep_gemm module (None when unusable), the
+    per_token_group_quant_fp8 function, whether vLLM would use UE8M0 scales, and a note."""
+
+    mod: object | None
+    quant: Callable | None
+    e8m0: bool
+    note: str
 
 
-def _fmt(r: dict) -> str:
-    def f(v, w, p=1):
-        return f"{'-':>{w}s}" if v is None else f"{v:>{w}.{p}f}"
+def load_deepgemm() -> DeepGemm:
+    """Import vLLM's DeepGEMM wrappers; never raises (a failure comes back in `note`)."""
+    try:
+        from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+            per_token_group_quant_fp8,
+        )
+        from vllm.utils import deep_gemm as vdg
 
-    t = "x".join(str(x) for x in r["tactic"])
-    return (
-        f"{r['shape']:20s} {r['M']:6d} {r['N']:6d} {r['K']:5d} {t:>11s} | {r['us']:8.1f} "
-        f"{r['tflops']:6.1f} {r['weight_GBps']:5d} {r['pct_copy_bw']:5.1f} | {r['cublas_us']:9.1f} "
-        f"{r['cublas_tflops']:6.1f} | {f(r['marlin_us'], 9)} {f(r['marlin_tflops'], 6)} "
-        f"{f(r['marlin_weight_GBps'], 5, 0)} | {r['x_cublas']:8.2f} {f(r['x_marlin'], 8, 2)}"
+        if not vdg.is_deep_gemm_supported():
+            return DeepGemm(
+                None,
+                None,
+                False,
+                "unavailable: vllm.utils.deep_gemm.is_deep_gemm_supported() "
+                "is False (no Hopper/Blackwell GPU, VLLM_USE_DEEP_GEMM=0, or no deep_gemm)",
+            )
+        e8m0 = bool(vdg.is_deep_gemm_e8m0_used())
+        dg = vdg._import_deep_gemm()
+        ver = getattr(dg, "__version__", "?")
+        src = getattr(dg, "__name__", "?")
+        return DeepGemm(vdg, per_token_group_quant_fp8, e8m0, f"{src} {ver}, e8m0={e8m0}")
+    except Exception as e:  # noqa: BLE001
+        return DeepGemm(None, None, False, f"unavailable ({_err(e)})")
+
+
+def deepgemm_applies(shape: Shape) -> str | None:
+    """None when DeepGEMM FP8 covers the shape, else the reason (vLLM's own checks:
+    should_use_deepgemm_for_fp8_linear N%64, K%128; MoE N%128, K%128; fp8_einsum 128 blocks)."""
+    if shape.kind == "dense" and (shape.n % 64 or shape.k % 128):
+        return f"n/a: N={shape.n} % 64 or K={shape.k} % 128 != 0"
+    if shape.kind in ("grouped", "moe") and (shape.n % 128 or shape.k % 128):
+        return f"n/a: N={shape.n} or K={shape.k} not a multiple of 128"
+    return None
+
+
+def bench_deepgemm(
+    shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget, dg: DeepGemm
+) -> None:
+    """DeepGEMM FP8 (see the module docstring for the exact calls); never raises."""
+    why = deepgemm_applies(shape)
+    if why is None and dg.mod is None:
+        why = f"n/a: DeepGEMM {dg.note}"
+    if why is not None:
+        _set(rows_by_m, ms, "deepgemm_error", why)
+        return
+    vdg = dg.mod
+    g, n, k = shape.groups, shape.n, shape.k
+    try:
+        n_copies = 1 if shape.kind == "moe" else _copies(fp8_weight_bytes(g, n, k))
+        ws = []
+        for _ in range(n_copies):
+            w = _rand_fp8((g, n, k))
+            s = torch.rand(g, n // 128, k // 128, device="cuda") + 0.5
+            ws.append((w[0], s[0]) if shape.kind == "dense" else (w, s))
+        align = vdg.get_mk_alignment_for_contiguous_layout()[0] if shape.kind == "moe" else 1
+    except Exception as e:  # noqa: BLE001
+        _set(rows_by_m, ms, "deepgemm_error", _err(e))
+        return
+    for m in ms:
+        if not budget.fits(f"DeepGEMM {shape.name} M={m}"):
+            return
+        r = rows_by_m[m]
+        try:
+            if shape.kind == "moe":
+                cs = _routings(shape, m)
+                r["active_experts"] = active_experts(cs)
+                idx = [contiguous_m_indices(c, align).to("cuda") for c in cs]
+                m_max = max(int(i.numel()) for i in idx)
+                r["deepgemm_rows"] = round(sum(int(i.numel()) for i in idx) / len(idx), 1)
+                a = _rand_fp8((m_max, k))
+                sa = [
+                    vdg.get_col_major_tma_aligned_tensor(
+                        torch.rand(int(i.numel()), k // 128, device="cuda") + 0.5
+                    )
+                    for i in idx
+                ]
+                out = torch.empty(m_max, n, device="cuda", dtype=torch.bfloat16)
+                w, s = ws[0]
+                fns = [
+                    lambda i=i, sa_i=sa_i: vdg.m_grouped_fp8_gemm_nt_contiguous(
+                        (a[: i.numel()], sa_i), (w, s), out[: i.numel()], i
+                    )
+                    for i, sa_i in zip(idx, sa, strict=True)
+                ]
+                q_in = torch.randn(m_max, k, device="cuda", dtype=torch.bfloat16)
+                flops = 2.0 * shape.rows(m) * n * k
+            elif shape.kind == "grouped":
+                # vLLM's SM90 o-proj layout: a [T, G, K] fp8 = transpose of [G, T, K]; scales
+                # [T, G, K/128] fp32 = transpose of [G, T, K/128] with strides (S*Ta, 1, Ta).
+                sk, ta = k // 128, -(-m // 4) * 4
+                a = _rand_fp8((g, m, k)).transpose(0, 1)
+                buf = torch.empty(g * sk * ta, device="cuda").as_strided(
+                    (g, m, sk), (sk * ta, 1, ta)
+                )
+                buf.copy_(torch.rand(g, m, sk, device="cuda") + 0.5)
+                sa = buf.transpose(0, 1)
+                z = torch.empty(m, g, n, device="cuda", dtype=torch.bfloat16)
+                fns = [
+                    lambda w=w, s=s: vdg.fp8_einsum(
+                        "bhr,hdr->bhd", (a, sa), (w, s), z, recipe=(1, 128, 128)
+                    )
+                    for w, s in ws
+                ]
+                q_in = torch.randn(m * g, k, device="cuda", dtype=torch.bfloat16)
+                flops = 2.0 * g * m * n * k
+                r["deepgemm_rows"] = m
+            else:
+                a = _rand_fp8((m, k))
+                sa = vdg.get_col_major_tma_aligned_tensor(
+                    torch.rand(m, k // 128, device="cuda") + 0.5
+                )
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                fns = [lambda w=w, s=s: vdg.fp8_gemm_nt((a, sa), (w, s), out) for w, s in ws]
+                q_in = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                flops = 2.0 * m * n * k
+                r["deepgemm_rows"] = m
+            r["deepgemm_us"] = round(budget.measure(lambda: _graph_time_us(fns, _reps(flops))), 2)
+            qfn = [lambda: dg.quant(q_in, 128, column_major_scales=True, use_ue8m0=dg.e8m0)]
+            r["deepgemm_quant_us"] = round(budget.measure(lambda: _graph_time_us(qfn, 20)), 2)
+        except Exception as e:  # noqa: BLE001 - JIT missing, unsupported shape, ...
+            r["deepgemm_error"] = _err(e)
+        print(
+            f"  deepgemm {shape.name:20s} M={m:6d} us={r['deepgemm_us']} "
+            f"quant_us={r['deepgemm_quant_us']} {r['deepgemm_error'] or ''}"
+        )
+    del ws
+    torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------ output
+
+MD_COLS = [  # (header, key, format); pct_copy_bw only for M <= 32
+    ("shape", "shape", "s"),
+    ("M", "M", "d"),
+    ("rows", "rows", "d"),
+    ("N", "N", "d"),
+    ("K", "K", "d"),
+    ("tactic", "tactic", "t"),
+    ("ours us", "us", ".1f"),
+    ("TF/s", "tflops", ".1f"),
+    ("GB/s", "weight_GBps", ".0f"),
+    ("% copy BW (M<=32)", "pct_copy_bw", ".1f"),
+    ("cuBLAS us", "cublas_us", ".1f"),
+    ("Marlin us", "marlin_us", ".1f"),
+    ("DeepGEMM us (GEMM only)", "deepgemm_us", ".1f"),
+    ("DG act-quant us", "deepgemm_quant_us", ".1f"),
+    ("cuBLAS/ours", "x_cublas", ".2f"),
+    ("Marlin/ours", "x_marlin", ".2f"),
+    ("DG/ours", "x_deepgemm", ".2f"),
+    ("(DG+quant)/ours", "x_deepgemm_total", ".2f"),
+    ("notes", "notes", "s"),
+]
+
+
+def _cell(r: dict, key: str, fmt: str) -> str:
+    if key == "notes":
+        errs = [
+            f"{w}: {r[f'{w}_error']}"
+            for w in ("ours", "cublas", "marlin", "deepgemm")
+            if r.get(f"{w}_error") and not str(r[f"{w}_error"]).startswith("n/a: Marlin column")
+        ]
+        return "; ".join(errs).replace("|", "/")
+    v = r.get(key)
+    if key == "pct_copy_bw" and r["M"] > 32:
+        return ""
+    if v is None:
+        if key == "deepgemm_us" and str(r.get("deepgemm_error") or "").startswith("n/a"):
+            return "n/a"
+        if key == "marlin_us" and str(r.get("marlin_error") or "").startswith("n/a"):
+            return "n/a"
+        return "-"
+    if fmt == "t":
+        return "x".join(str(x) for x in v)
+    return format(v, fmt)
+
+
+def format_md(meta: dict, rows: list[dict]) -> str:
+    """The readable report: header notes, one pipe table, the summary."""
+    out = [f"# sm_90a NVFP4 W4A16 GEMM bench ({meta['date']})", "", f"`{meta['command']}`", ""]
+    out += [f"- {h}" for h in meta["header"]]
+    if meta.get("stopped_early"):
+        out.append(f"- **stopped early**: {meta['stopped_early']}")
+    out += ["", "| " + " | ".join(h for h, _, _ in MD_COLS) + " |"]
+    out.append("|" + "|".join("---" for _ in MD_COLS) + "|")
+    for r in rows:
+        out.append("| " + " | ".join(_cell(r, k, f) for _, k, f in MD_COLS) + " |")
+    out += ["", "summary: " + json.dumps(meta.get("summary", {})), ""]
+    return "\n".join(out)
+
+
+def write_outputs(json_path: str, md_path: str, meta: dict, rows: list[dict]) -> None:
+    """JSON: meta (command, date, device, versions, ...) + rows (one record per row); MD."""
+    meta = dict(meta, summary=summarize(rows), rows=rows)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(meta, f, indent=1)
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(format_md(meta, rows))
+
+
+def versions() -> dict:
+    """Package versions from their metadata (no heavy imports)."""
+    from importlib import metadata
+
+    v = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for key, dist in (("cutlass_dsl", "nvidia-cutlass-dsl"), ("vllm", "vllm")):
+        try:
+            v[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            v[key] = None
+    return v
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m cutedsl.bench.gemm_sm90", description=__doc__.splitlines()[0]
     )
+    p.add_argument("--model", default="all", choices=["flash", "pro", "all", "both"])
+    p.add_argument("--ms", default=",".join(map(str, M_LIST)), help="comma list of token counts")
+    p.add_argument("--shapes", default="", help="comma list of shape names to keep (no prefix)")
+    p.add_argument("--impls", default="ours,cublas,marlin,deepgemm", help="comma list")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop cleanly (writing JSON/MD) before S seconds of wall time",
+    )
+    p.add_argument("--json", default="")
+    p.add_argument("--md", default="")
+    p.add_argument("--list-shapes", action="store_true", help="print the shape table and exit")
+    return p.parse_args(argv)
+
+
+def selected_shapes(args: argparse.Namespace) -> list[tuple[str, Shape]]:
+    models = list(MODELS) if args.model in ("all", "both") else [args.model]
+    keep = set(filter(None, args.shapes.split(",")))
+    return [(mdl, s) for mdl in models for s in SHAPES[mdl] if not keep or s.name in keep]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="both", choices=["flash", "pro", "both"])
-    p.add_argument("--ms", default=",".join(map(str, M_LIST)))
-    p.add_argument("--shapes", default="", help="comma list of shape names to keep")
-    p.add_argument("--json", default="")
-    p.add_argument("--md", default="")
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     ms = [int(x) for x in args.ms.split(",")]
-    import cutlass
-
-    marlin, marlin_note = _marlin()
+    todo = selected_shapes(args)
+    if args.list_shapes:
+        for mdl, s in todo:
+            print(
+                f"{mdl}.{s.name:20s} {s.kind:8s} groups={s.groups:4d} topk={s.topk} "
+                f"N={s.n:6d} K={s.k:6d}"
+            )
+        return 0
+    impls = set(args.impls.split(","))
+    budget = Budget(args.time_budget)
+    marlin = load_marlin() if "marlin" in impls else (None, "not requested")
+    dg = load_deepgemm() if "deepgemm" in impls else DeepGemm(None, None, False, "not requested")
     copy_bw = copy_bandwidth_gbps()
     dev = torch.cuda.get_device_properties(0)
-    header = [
-        f"device: {dev.name}, {dev.multi_processor_count} SMs; torch {torch.__version__}; "
-        f"nvidia-cutlass-dsl {cutlass.__version__}",
-        "timing: CUDA graph of back-to-back calls over rotated weight copies (>3x L2), median of 5",
-        f"measured copy bandwidth (1 GiB d2d, read+write): {copy_bw:.0f} GB/s",
-        f"GB/s = NVFP4 weight+scale bytes (0.5625 B/param) / time; Marlin: {marlin_note}",
-    ]
-    print("\n".join(header))
-    print(HEAD, flush=True)
-    models = ["flash", "pro"] if args.model == "both" else [args.model]
-    keep = set(filter(None, args.shapes.split(",")))
-    rows: list[dict] = []
-    for mdl in models:
-        for name, g, n, k in SHAPES[mdl]:
-            if keep and name not in keep:
-                continue
-            bench_shape(f"{mdl}.{name}", g, n, k, ms, marlin, rows, copy_bw)
-    dec = [r for r in rows if r["M"] <= 32]
-    pre = [r for r in rows if r["M"] >= 4096]
-    summary = {
-        "decode_pct_copy_bw_min": min((r["pct_copy_bw"] for r in dec), default=None),
-        "decode_pct_copy_bw_geomean": _geo([r["pct_copy_bw"] for r in dec]),
-        "prefill_x_cublas_min": min((r["x_cublas"] for r in pre), default=None),
-        "prefill_x_cublas_geomean": _geo([r["x_cublas"] for r in pre]),
-        "x_marlin_geomean": _geo([r["x_marlin"] for r in rows if r["x_marlin"]]),
-        "x_marlin_min": min((r["x_marlin"] for r in rows if r["x_marlin"]), default=None),
-    }
-    print("summary:", json.dumps(summary))
     cmd = "python -m cutedsl.bench.gemm_sm90 " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    if args.json:
-        meta = dict(
-            command=cmd,
-            date=date,
-            device=dev.name,
-            sms=dev.multi_processor_count,
-            torch=torch.__version__,
-            cutlass_dsl=cutlass.__version__,
-            marlin=marlin_note,
-            copy_bw_GBps=round(copy_bw),
-            timing=header[1],
-            summary=summary,
-            rows=rows,
-        )
-        with open(args.json, "w") as f:
-            json.dump(meta, f, indent=1)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(f"# sm_90a NVFP4 W4A16 GEMM bench ({date})\n\n`{cmd}`\n\n")
-            f.write("\n".join(f"- {h}" for h in header) + "\n\n```\n" + HEAD + "\n")
-            f.write(
-                "\n".join(_fmt(r) for r in rows) + "\n```\n\nsummary: " + json.dumps(summary) + "\n"
-            )
+    header = [
+        f"device: {dev.name}, {dev.multi_processor_count} SMs; "
+        + ", ".join(f"{k} {v}" for k, v in versions().items()),
+        "timing: CUDA graph of back-to-back calls over rotated weight copies / routings "
+        "(>3x L2), median of 5 replays, CUDA events",
+        f"measured copy bandwidth (1 GiB d2d, read+write): {copy_bw:.0f} GB/s",
+        "GB/s = NVFP4 weight+scale bytes (0.5625 B/param; routed: active experts) / time",
+        f"Marlin: {marlin[1]}; DeepGEMM: {dg.note}",
+        "DeepGEMM us excludes activation quantization (FP8 1x128, timed alone in 'DG act-quant "
+        "us': vLLM per_token_group_quant_fp8 on the A rows the GEMM reads); weights FP8 128x128",
+        "ratios X/ours = t_X / t_ours (> 1: ours faster); routed cuBLAS = torch._grouped_mm",
+    ]
+    print("\n".join(header), flush=True)
+    meta = dict(
+        command=cmd,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=dev.name,
+        sms=dev.multi_processor_count,
+        versions=versions(),
+        torch=torch.__version__,
+        cutlass_dsl=versions()["cutlass_dsl"],
+        vllm=versions()["vllm"],
+        marlin=marlin[1],
+        deepgemm=dg.note,
+        copy_bw_GBps=round(copy_bw),
+        time_budget_s=args.time_budget,
+        header=header,
+        stopped_early="",
+    )
+    rows: list[dict] = []
+    for mdl, shape in todo:
+        if not budget.fits(f"{mdl}.{shape.name}"):
+            break
+        rows_by_m = {m: new_row(mdl, shape, m) for m in ms}
+        print(f"== {mdl}.{shape.name} {shape}", flush=True)
+        if "ours" in impls:
+            bench_ours(shape, ms, rows_by_m, budget)
+        if "cublas" in impls:
+            bench_cublas(shape, ms, rows_by_m, budget)
+        if "marlin" in impls:
+            bench_marlin(shape, ms, rows_by_m, budget, marlin)
+        if "deepgemm" in impls:
+            bench_deepgemm(shape, ms, rows_by_m, budget, dg)
+        rows += [finalize_row(rows_by_m[m], copy_bw) for m in ms]
+        meta["stopped_early"] = budget.stopped
+        write_outputs(args.json, args.md, meta, rows)
+    meta["stopped_early"] = budget.stopped
+    write_outputs(args.json, args.md, meta, rows)
+    print("summary:", json.dumps(summarize(rows)))
     return 0
-
-
-def _geo(xs: list[float]):
-    xs = [x for x in xs if x and x > 0]
-    return round(math.exp(sum(math.log(x) for x in xs) / len(xs)), 3) if xs else None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,416 @@
+#!/usr/bin/env python3
+"""Serving benchmark of a running OpenAI-compatible vLLM server through `vllm bench serve`.
+
+    python bench/serve_bench.py --base-url http://127.0.0.1:8000 --model DIR --label NAME
+        [--shapes 1024x1024,8192x1024] [--concurrency 1,8,32,64]
+        [--prompts-per-concurrency 2 | --num-prompts N] [--seed 0] [--time-budget S]
+        [--run-timeout S] [--max-model-len N] [--fit-margin 16] [--log-dir DIR] --out FILE.json
+
+For every shape INxOUT (prompt tokens x output tokens) and every concurrency C it runs the real
+benchmark CLI of the installed vLLM as a subprocess (`python -m vllm.entrypoints.cli.main bench
+serve`, random dataset, --random-range-ratio 0, --ignore-eos, --max-concurrency C, greedy), reads
+the result JSON that CLI saves, and appends one record to --out. The JSON is rewritten after
+every run, so a run killed from outside keeps every finished record.
+
+Shapes are "scaled to fit": when IN+OUT exceeds the server's max_model_len (read from
+/v1/models, or --max-model-len) minus --fit-margin, both lengths are scaled by the same factor
+(floored); the record keeps the requested and the effective shape.
+
+Output JSON: {"header": {command, date (UTC ISO), device (nvidia-smi name or "unknown"),
+vllm_version, base_url, model, label, max_model_len, bench_flags}, "runs": [record, ...]}. A
+record: label, requested_shape, shape, input_len, output_len, concurrency, num_prompts, status
+("ok" | "failed" | "timeout" | "skipped" | "interrupted"), completed, failed, duration (s, the
+CLI's own benchmark duration), wall_s (subprocess wall time, including the CLI's vLLM import),
+output_throughput / total_token_throughput (tok/s), request_throughput (req/s),
+{mean,median,p90,p99}_{ttft,tpot,itl,e2el}_ms, total_input_tokens, total_output_tokens,
+max_output_tokens_per_s, command (exact argv as a shell string), and error (tail of the CLI's
+output) when status is not "ok". "ok" means rc 0 and completed == num_prompts.
+
+--time-budget S: no new run starts once the remaining budget is smaller than the previous run's
+wall time (those runs are recorded as "skipped"); each run's timeout is also capped at the
+remaining budget. SIGTERM (a driver's `timeout`) or Ctrl-C kills the running CLI's process group,
+records that run as "interrupted" and exits 143 (130). Exit status otherwise: 0 when every run
+that was started is "ok", 1 when one was not, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
+METRIC_PERCENTILES = "50,90,99"
+_STATS = ("mean", "median", "p90", "p99")
+_COPY = (
+    "completed",
+    "failed",
+    "duration",
+    "output_throughput",
+    "total_token_throughput",
+    "request_throughput",
+    "total_input_tokens",
+    "total_output_tokens",
+    "max_output_tokens_per_s",
+)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'1024x1024,8192x1024' -> [(1024, 1024), (8192, 1024)]; each length must be >= 1."""
+    shapes = []
+    for part in text.split(","):
+        try:
+            a, b = part.strip().lower().split("x")
+            shape = (int(a), int(b))
+        except ValueError:
+            raise ValueError(f"--shapes: {part!r} is not INxOUT (e.g. 1024x1024)") from None
+        if min(shape) < 1:
+            raise ValueError(f"--shapes: {part!r}: lengths must be >= 1")
+        shapes.append(shape)
+    return shapes
+
+
+def parse_ints(text: str, name: str) -> list[int]:
+    """'1,8,32' -> [1, 8, 32]; each value must be >= 1."""
+    try:
+        vals = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{name}: {text!r} is not a comma-separated list of ints") from None
+    if not vals or min(vals) < 1:
+        raise ValueError(f"{name}: {text!r}: values must be >= 1")
+    return vals
+
+
+def fit_shape(input_len: int, output_len: int, max_model_len: int | None, margin: int) -> tuple:
+    """Scale (input_len, output_len) by one factor so that in + out <= max_model_len - margin.
+
+    Returns the shape unchanged when it fits or max_model_len is None; raises ValueError when
+    nothing >= 1x1 fits."""
+    if max_model_len is None:
+        return input_len, output_len
+    limit = max_model_len - margin
+    if input_len + output_len <= limit:
+        return input_len, output_len
+    f = limit / (input_len + output_len)
+    a, b = math.floor(input_len * f), math.floor(output_len * f)
+    if a < 1 or b < 1:
+        raise ValueError(
+            f"shape {input_len}x{output_len} cannot fit max_model_len {max_model_len} "
+            f"with margin {margin}"
+        )
+    return a, b
+
+
+def should_skip(remaining_s: float | None, prev_wall_s: float | None) -> bool:
+    """Budget rule: skip when a budget is set and what remains is below the previous run's wall
+    time (or nothing remains). The first run (prev_wall_s None) starts while budget remains."""
+    if remaining_s is None:
+        return False
+    if remaining_s <= 0:
+        return True
+    return prev_wall_s is not None and remaining_s < prev_wall_s
+
+
+def server_max_model_len(base_url: str, model: str, timeout: float = 10.0) -> int | None:
+    """max_model_len of `model` (or of the only/first model) from GET {base_url}/v1/models."""
+    try:
+        with urllib.request.urlopen(f"{base_url.rstrip('/')}/v1/models", timeout=timeout) as r:
+            data = json.loads(r.read()).get("data") or []
+    except (OSError, ValueError) as e:
+        print(f"serve_bench: /v1/models unreadable ({e}); no shape fitting", file=sys.stderr)
+        return None
+    cards = [c for c in data if c.get("id") == model] or data[:1]
+    return cards[0].get("max_model_len") if cards else None
+
+
+def device_name() -> str:
+    """First GPU's name from nvidia-smi, or "unknown"."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return "unknown"
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    names = [n.strip() for n in out.splitlines() if n.strip()]
+    return f"{len(names)}x {names[0]}" if len(names) > 1 else (names[0] if names else "unknown")
+
+
+def bench_command(a: argparse.Namespace, inp: int, out: int, conc: int, n: int, rdir: str,
+                  rfile: str) -> list[str]:  # fmt: skip
+    """argv of one `vllm bench serve` run (vLLM 0.21.0 flags)."""
+    cmd = [
+        a.python, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+        "--backend", "vllm",
+        "--base-url", a.base_url.rstrip("/"),
+        "--endpoint", "/v1/completions",
+        "--model", a.model,
+        "--tokenizer", a.tokenizer or a.model,
+        "--dataset-name", "random",
+        "--random-input-len", str(inp),
+        "--random-output-len", str(out),
+        "--random-range-ratio", "0",
+        "--num-prompts", str(n),
+        "--max-concurrency", str(conc),
+        "--request-rate", "inf",
+        "--ignore-eos",
+        "--temperature", str(a.temperature),
+        "--seed", str(a.seed),
+        "--num-warmups", str(a.num_warmups),
+        "--percentile-metrics", PERCENTILE_METRICS,
+        "--metric-percentiles", METRIC_PERCENTILES,
+        "--label", a.label,
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir", rdir,
+        "--result-filename", rfile,
+    ]  # fmt: skip
+    if a.served_model_name:
+        cmd += ["--served-model-name", a.served_model_name]
+    if a.tokenizer_mode:
+        cmd += ["--tokenizer-mode", a.tokenizer_mode]
+    return cmd
+
+
+class _Interrupted(Exception):
+    """SIGTERM arrived (e.g. a driver's `timeout`): the running CLI is killed, its row kept."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Interrupted(signal.Signals(signum).name)
+
+
+def _run(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, float, str]:
+    """Run cmd in its own process group, output to `log`; (rc or None on timeout, wall, tail).
+
+    The group is killed on timeout and on any exception (SIGTERM, Ctrl-C) while waiting, so no
+    benchmark client outlives this script and keeps loading the server."""
+    t0 = time.monotonic()
+    with open(log, "w") as fh:
+        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = p.wait(timeout=max(timeout, 0.1))
+        except BaseException as e:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
+            rc = None
+    wall = time.monotonic() - t0
+    tail = log.read_text(errors="replace")[-3000:]
+    return rc, wall, tail
+
+
+def _record(res: dict) -> dict:
+    rec = {k: res.get(k) for k in _COPY}
+    for m in PERCENTILE_METRICS.split(","):
+        for s in _STATS:
+            rec[f"{s}_{m}_ms"] = res.get(f"{s}_{m}_ms")
+    return rec
+
+
+def _write(path: Path, doc: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--model", required=True, help="model id as served (the checkpoint DIR)")
+    ap.add_argument("--label", required=True, help="series name, e.g. cutedsl-nvfp4")
+    ap.add_argument("--out", required=True, help="result JSON (rewritten after every run)")
+    ap.add_argument("--shapes", default="1024x1024,8192x1024", help="INxOUT[,INxOUT...]")
+    ap.add_argument("--concurrency", default="1,8,32,64")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--prompts-per-concurrency", type=int, default=2,
+                   help="num_prompts = this x concurrency (default 2)")  # fmt: skip
+    g.add_argument("--num-prompts", type=int, default=None, help="fixed num_prompts per run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--num-warmups", type=int, default=0)
+    ap.add_argument("--tokenizer", default=None, help="default: --model")
+    ap.add_argument("--tokenizer-mode", default=None, help="passed through when given")
+    ap.add_argument("--served-model-name", default=None, help="when the server renamed it")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="override the server's /v1/models max_model_len for fitting")  # fmt: skip
+    ap.add_argument(
+        "--fit-margin",
+        type=int,
+        default=16,
+        help="tokens kept free below max_model_len when fitting (default 16)",
+    )
+    ap.add_argument("--no-fit", action="store_true", help="run shapes as given")
+    ap.add_argument("--time-budget", type=float, default=None, help="seconds for all runs")
+    ap.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run")
+    ap.add_argument("--log-dir", default=None, help="CLI logs (default: a temp dir)")
+    ap.add_argument("--python", default=sys.executable, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    try:
+        shapes = parse_shapes(a.shapes)
+        concs = parse_ints(a.concurrency, "--concurrency")
+        if a.num_prompts is not None and a.num_prompts < 1:
+            raise ValueError(f"--num-prompts {a.num_prompts}: must be >= 1")
+        if a.prompts_per_concurrency < 1:
+            raise ValueError(f"--prompts-per-concurrency {a.prompts_per_concurrency}: >= 1")
+    except ValueError as e:
+        print(f"serve_bench: {e}", file=sys.stderr)
+        return 2
+
+    t_start = time.monotonic()
+    max_len = a.max_model_len
+    if max_len is None and not a.no_fit:
+        max_len = server_max_model_len(a.base_url, a.served_model_name or a.model)
+    try:
+        fitted = [
+            (i, o, *((i, o) if a.no_fit else fit_shape(i, o, max_len, a.fit_margin)))
+            for i, o in shapes
+        ]
+    except ValueError as e:
+        print(f"serve_bench: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="serve_bench_logs_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        vllm_version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        vllm_version = "not installed"
+    header = {
+        "command": shlex.join(
+            [sys.executable, *sys.argv] if argv is None else ["bench/serve_bench.py", *argv]
+        ),  # fmt: skip
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(),
+        "vllm_version": vllm_version,
+        "base_url": a.base_url,
+        "model": a.model,
+        "label": a.label,
+        "max_model_len": max_len,
+        "fit_margin": None if a.no_fit else a.fit_margin,
+        "log_dir": str(log_dir),
+        "bench_flags": f"--backend vllm --endpoint /v1/completions --dataset-name random "
+        f"--random-range-ratio 0 --ignore-eos --temperature {a.temperature} --seed {a.seed} "
+        f"--num-warmups {a.num_warmups} --percentile-metrics {PERCENTILE_METRICS} "
+        f"--metric-percentiles {METRIC_PERCENTILES}",
+    }
+    doc = {"header": header, "runs": []}
+    _write(out, doc)
+
+    old_handler = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _loop(a, fitted, concs, out, log_dir, doc, t_start)
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
+
+
+def _loop(
+    a: argparse.Namespace,
+    shapes: list[tuple[int, int, int, int]],
+    concs: list[int],
+    out: Path,
+    log_dir: Path,
+    doc: dict,
+    t_start: float,
+) -> int:
+    """All runs in order; shapes are (requested in, out, effective in, out); -> exit status."""
+    prev_wall: float | None = None
+    n_bad = 0
+    total = len(shapes) * len(concs)
+    with tempfile.TemporaryDirectory(prefix="serve_bench_") as rdir:
+        for si, (req_in, req_out, inp, outl) in enumerate(shapes):
+            for ci, conc in enumerate(concs):
+                i = si * len(concs) + ci + 1
+                n = a.num_prompts or a.prompts_per_concurrency * conc
+                tag = f"{a.label}_{inp}x{outl}_c{conc}"
+                rec = {
+                    "label": a.label,
+                    "requested_shape": f"{req_in}x{req_out}",
+                    "shape": f"{inp}x{outl}",
+                    "input_len": inp,
+                    "output_len": outl,
+                    "concurrency": conc,
+                    "num_prompts": n,
+                }
+                remaining = None
+                if a.time_budget is not None:
+                    remaining = a.time_budget - (time.monotonic() - t_start)
+                if should_skip(remaining, prev_wall):
+                    rec["status"] = "skipped"
+                    rec["error"] = (
+                        f"time budget: {remaining:.0f} s left < previous run {prev_wall or 0:.0f} s"
+                    )
+                    doc["runs"].append(rec)
+                    _write(out, doc)
+                    print(f"[{i}/{total}] {tag}: skipped ({rec['error']})", flush=True)
+                    continue
+                rfile = f"{tag}.json"
+                cmd = bench_command(a, inp, outl, conc, n, rdir, rfile)
+                timeout = a.run_timeout if remaining is None else min(a.run_timeout, remaining)
+                rec["command"] = shlex.join(cmd)
+                try:
+                    rc, wall, tail = _run(cmd, timeout, log_dir / f"{tag}.log")
+                except (_Interrupted, KeyboardInterrupt) as e:
+                    rec["status"] = "interrupted"
+                    why = str(e) or "SIGINT"
+                    rec["error"] = f"serve_bench stopped by {why}; the CLI was killed"
+                    doc["runs"].append(rec)
+                    _write(out, doc)
+                    print(f"[{i}/{total}] {tag}: interrupted; wrote {out}", flush=True)
+                    return 143 if isinstance(e, _Interrupted) else 130
+                prev_wall = wall
+                rec["wall_s"] = round(wall, 2)
+                rpath = Path(rdir) / rfile
+                if rpath.exists():
+                    rec.update(_record(json.loads(rpath.read_text())))
+                    rpath.unlink()
+                if rc is None:
+                    rec["status"] = "timeout"
+                elif rc == 0 and rec.get("completed") == n:
+                    rec["status"] = "ok"
+                else:
+                    rec["status"] = "failed"
+                if rec["status"] != "ok":
+                    n_bad += 1
+                    rec["rc"] = rc
+                    rec["error"] = tail
+                doc["runs"].append(rec)
+                _write(out, doc)
+                if rec["status"] == "ok":
+                    msg = (
+                        f"out {rec['output_throughput']:.1f} tok/s, "
+                        f"TTFT p50 {rec['median_ttft_ms']:.1f} ms, "
+                        f"TPOT p50 {rec['median_tpot_ms']:.2f} ms"
+                    )
+                else:
+                    msg = f"rc {rc}, completed {rec.get('completed')}/{n}"
+                print(f"[{i}/{total}] {tag} n={n}: {rec['status']} ({wall:.0f} s): {msg}",
+                      flush=True)  # fmt: skip
+    print(f"serve_bench: wrote {out} ({len(doc['runs'])} records, {n_bad} not ok)")
+    return 1 if n_bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

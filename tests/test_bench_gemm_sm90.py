@@ -1,0 +1,299 @@
+"""CPU tests of the SM90 GEMM bench (cutedsl/bench/gemm_sm90.py): shape tables, routing, writers,
+CLI, and the DeepGEMM wrapper's no-raise contract. No timing here (that needs the H200)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cutedsl.bench import gemm_sm90 as B
+from cutedsl.tools import tiny_model
+
+ANCHORS = "/work/shared/research/anchors.md"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _by_name(shapes):
+    return {s.name.split("(")[0]: s for s in shapes}
+
+
+def test_flash_shapes_match_tiny_model_flash_layers_preset():
+    cfg = tiny_model.make_config("flash-layers", "native")
+    assert B.shapes_from_config(cfg) == B.SHAPES["flash"]
+    s = _by_name(B.SHAPES["flash"])
+    # independent, hand-written values (vllm021_dsv4.md §1.2: fused_wqa_wkv [1536,4096],
+    # wq_b [32768,1024], wo_a [8192,4096] = 8 x [1024, 4096], wo_b [4096,8192])
+    assert (s["fused_wqa_wkv"].n, s["fused_wqa_wkv"].k) == (1536, 4096)
+    assert (s["wq_b"].n, s["wq_b"].k) == (32768, 1024)
+    assert (s["wo_a"].kind, s["wo_a"].groups, s["wo_a"].n, s["wo_a"].k) == (
+        "grouped",
+        8,
+        1024,
+        4096,
+    )
+    assert (s["wo_b"].n, s["wo_b"].k) == (4096, 8192)
+    assert (s["shared_w13"].n, s["shared_w13"].k, s["shared_w2"].n, s["shared_w2"].k) == (
+        4096,
+        4096,
+        4096,
+        2048,
+    )
+    r13, r2 = s["routed_w13"], s["routed_w2"]
+    assert (r13.kind, r13.groups, r13.topk, r13.n, r13.k) == ("moe", 256, 6, 4096, 4096)
+    assert (r2.kind, r2.groups, r2.topk, r2.n, r2.k) == ("moe", 256, 6, 4096, 2048)
+
+
+def _anchors_table() -> dict[str, tuple[str, str]]:
+    """anchors.md §3.1 rows: field -> (Flash, Pro)."""
+    if not os.path.exists(ANCHORS):
+        pytest.skip(f"{ANCHORS} not present on this machine (the research notes)")
+    rows = {}
+    txt = open(ANCHORS).read()
+    sec = txt[txt.index("### 3.1 Sizes") :]
+    for line in sec.splitlines()[1:]:
+        if line.startswith("###"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3:
+            rows[cells[0]] = (cells[1], cells[2])
+    return rows
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", s)]
+
+
+@pytest.mark.parametrize("col,model", [(0, "flash"), (1, "pro")])
+def test_configs_match_research_notes(col, model):
+    t = _anchors_table()
+    cfg = B.CONFIGS[model]
+    assert _ints(t["hidden_size"][col]) == [cfg["hidden_size"]]
+    assert _ints(t["q_lora_rank"][col]) == [cfg["q_lora_rank"]]
+    assert _ints(t["moe_intermediate_size"][col]) == [cfg["moe_intermediate_size"]]
+    assert _ints(t["o_groups / o_lora_rank"][col]) == [cfg["o_groups"], cfg["o_lora_rank"]]
+    assert _ints(t["n_routed_experts / n_shared / top-k"][col]) == [
+        cfg["n_routed_experts"],
+        cfg["n_shared_experts"],
+        cfg["num_experts_per_tok"],
+    ]
+    heads = _ints(t["num_attention_heads / kv heads / head_dim / rope dim"][col])
+    assert (heads[0], heads[2]) == (cfg["num_attention_heads"], cfg["head_dim"])
+
+
+def test_pro_shapes_and_param_counts():
+    s = _by_name(B.SHAPES["pro"])
+    assert (s["fused_wqa_wkv"].n, s["fused_wqa_wkv"].k) == (1536 + 512, 7168)
+    assert (s["wq_b"].n, s["wq_b"].k) == (65536, 1536)
+    assert (s["wo_a"].groups, s["wo_a"].n, s["wo_a"].k) == (16, 1024, 4096)
+    assert s["wo_a"].name == "wo_a(G=16)"
+    assert (s["wo_b"].n, s["wo_b"].k) == (7168, 16384)
+    assert (s["shared_w13"].n, s["shared_w13"].k) == (6144, 7168)
+    assert (s["shared_w2"].n, s["shared_w2"].k) == (7168, 3072)
+    assert (s["routed_w13"].groups, s["routed_w13"].topk, s["routed_w13"].n) == (384, 6, 6144)
+    assert (s["routed_w2"].n, s["routed_w2"].k) == (7168, 3072)
+
+    # anchors.md §3.2 derived per-layer counts: Pro wq_b 100.7M, wo_a 67.1M, wo_b 117.4M,
+    # and wq_a 11.0M + wkv 3.7M (= fused_wqa_wkv)
+    def mp(sh):
+        return round(sh.groups * sh.n * sh.k / 1e6, 1)
+
+    assert (mp(s["wq_b"]), mp(s["wo_a"]), mp(s["wo_b"])) == (100.7, 67.1, 117.4)
+    assert round(1536 * 7168 / 1e6, 1) + round(512 * 7168 / 1e6, 1) == mp(s["fused_wqa_wkv"])
+
+
+@pytest.mark.parametrize("m,e,topk", [(1, 256, 6), (7, 384, 6), (1024, 256, 6), (16384, 384, 6)])
+def test_routing_offsets_sum_to_m_topk(m, e, topk):
+    ids = B.routing(m, e, topk, seed=3)
+    assert ids.shape == (m, topk) and ids.dtype == torch.int64
+    assert int(ids.min()) >= 0 and int(ids.max()) < e
+    # distinct experts per token
+    assert bool((ids.sort(dim=1).values.diff(dim=1) != 0).all())
+    counts = B.expert_counts(ids, e)
+    offs = B.expert_offsets(counts)
+    assert offs.dtype == torch.int32 and offs.shape == (e + 1,)
+    assert int(offs[0]) == 0 and int(offs[-1]) == m * topk
+    assert bool((offs.diff() >= 0).all())
+    # independent count: a python loop
+    ref = [0] * e
+    for x in ids.reshape(-1).tolist():
+        ref[x] += 1
+    assert offs.diff().tolist() == ref
+    assert max(ref) <= m  # an expert gets each token at most once
+
+
+def test_routing_is_seeded_and_skewed():
+    a, b = B.routing(512, 256, 6, seed=0), B.routing(512, 256, 6, seed=0)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, B.routing(512, 256, 6, seed=1))
+    c = B.expert_counts(B.routing(16384, 256, 6, seed=0), 256).float()
+    assert c.max() > 2 * c.mean()  # load imbalance exists (popularity skew)
+
+
+def test_contiguous_m_indices_padding():
+    counts = torch.tensor([3, 0, 130, 128])
+    idx = B.contiguous_m_indices(counts, 128)
+    assert idx.dtype == torch.int32 and idx.numel() == 128 + 256 + 128
+    assert idx[:3].tolist() == [0, 0, 0] and bool((idx[3:128] == -1).all())
+    assert bool((idx[128:258] == 2).all()) and bool((idx[258:384] == -1).all())
+    assert bool((idx[384:] == 3).all())
+
+
+def _synthetic_rows():
+    rows = []
+    for mdl, s in [
+        ("flash", B.SHAPES["flash"][0]),
+        ("pro", B.SHAPES["pro"][2]),
+        ("pro", B.SHAPES["pro"][6]),
+    ]:
+        for m in (1, 16384):
+            r = B.new_row(mdl, s, m)
+            r.update(
+                us=10.0 * m,
+                cublas_us=8.0 * m,
+                marlin_us=None,
+                deepgemm_us=5.0 * m,
+                deepgemm_quant_us=1.0,
+                tactic=[64, 16, 4],
+            )
+            if s.kind == "moe":
+                r["active_experts"] = 6.0
+                r["deepgemm_error"] = None
+            if s.kind != "dense":
+                r["marlin_error"] = "n/a: Marlin column covers dense linears only"
+            rows.append(B.finalize_row(r, copy_bw=4000.0))
+    rows[1]["deepgemm_us"] = None
+    rows[1]["deepgemm_error"] = "error: RuntimeError: JIT failed | bad"
+    B.finalize_row(rows[1], 4000.0)
+    return rows
+
+
+def test_finalize_row_columns():
+    rows = _synthetic_rows()
+    r = rows[0]  # flash fused_wqa_wkv M=1: 1536 x 4096
+    wb = 1536 * 4096 * 0.5625
+    assert r["weight_GBps"] == round(wb / 10.0 / 1e3)
+    assert r["pct_copy_bw"] == round(100 * wb / 10.0 / 1e3 / 4000.0, 1)
+    assert r["tflops"] == round(2 * 1536 * 4096 / 10.0 / 1e6, 1)
+    assert (r["x_cublas"], r["x_deepgemm"]) == (0.8, 0.5)  # t_X / t_ours
+    assert r["deepgemm_total_us"] == 6.0 and r["x_deepgemm_total"] == 0.6
+    assert r["x_marlin"] is None
+    g = rows[2]  # pro wo_a, G=16: flops and bytes count all groups
+    assert g["tflops"] == round(2 * 16 * 1024 * 4096 / 10.0 / 1e6, 1)
+    moe = rows[4]  # pro routed_w13, M=1: rows = 6, bytes of the 6 active experts
+    assert moe["rows"] == 6
+    assert moe["weight_GBps"] == round(6 * 6144 * 7168 * 0.5625 / 10.0 / 1e3)
+    assert moe["tflops"] == round(2 * 6 * 6144 * 7168 / 10.0 / 1e6, 1)
+
+
+def test_json_and_md_writers(tmp_path):
+    rows = _synthetic_rows()
+    meta = dict(
+        command="python -m cutedsl.bench.gemm_sm90 --model all",
+        date="2026-12-03",
+        device="fake",
+        versions=B.versions(),
+        header=["h1", "h2"],
+        stopped_early="time budget 60s reached before x",
+    )
+    jp, mp = tmp_path / "r.json", tmp_path / "r.md"
+    B.write_outputs(str(jp), str(mp), meta, rows)
+    j = json.loads(jp.read_text())
+    for key in ("command", "date", "device", "versions", "rows", "summary"):
+        assert key in j
+    assert set(j["versions"]) >= {"torch", "cutlass_dsl", "vllm"}
+    assert len(j["rows"]) == len(rows) and j["rows"][0]["shape"] == "flash.fused_wqa_wkv"
+    for key in (
+        "us",
+        "cublas_us",
+        "marlin_us",
+        "deepgemm_us",
+        "deepgemm_quant_us",
+        "x_cublas",
+        "x_marlin",
+        "x_deepgemm",
+        "pct_copy_bw",
+        "deepgemm_error",
+    ):
+        assert key in j["rows"][0]
+    md = mp.read_text().splitlines()
+    table = [ln for ln in md if ln.startswith("|")]
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    for col in ("cuBLAS/ours", "Marlin/ours", "DG/ours", "% copy BW (M<=32)", "DG act-quant us"):
+        assert col in head
+    assert len(table) == 2 + len(rows)
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in table[2:]]
+    assert all(len(c) == len(head) for c in cells)  # the "|" in an error got escaped
+    pct = head.index("% copy BW (M<=32)")
+    assert cells[0][pct] != "" and cells[1][pct] == ""  # M=1 shown, M=16384 blank
+    assert cells[0][head.index("cuBLAS/ours")] == "0.80"
+    assert "JIT failed" in cells[1][head.index("notes")]
+    assert cells[2][head.index("Marlin us")] == "n/a"
+    assert any("stopped early" in ln for ln in md)
+
+
+def test_help_runs():
+    r = subprocess.run(
+        [sys.executable, "-m", "cutedsl.bench.gemm_sm90", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    for opt in ("--model", "--time-budget", "--ms", "--json", "--md"):
+        assert opt in r.stdout
+    assert "{flash,pro,all,both}" in r.stdout
+
+
+def test_default_ms_and_list_shapes(capsys):
+    assert B.parse_args([]).ms == "1,4,16,32,64,128,256,512,1024,4096,16384"
+    assert B.main(["--model", "pro", "--list-shapes"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 8 and all(ln.startswith("pro.") for ln in out)
+    assert len(B.selected_shapes(B.parse_args(["--model", "all"]))) == 16
+
+
+def test_budget_stops():
+    b = B.Budget(5.0)  # less than the 10 s reserve: nothing may start
+    assert not b.fits("x") and "time budget" in b.stopped
+    assert B.Budget(None).fits("x")
+
+
+def test_deepgemm_wrapper_returns_error_rows_without_gpu():
+    assert not torch.cuda.is_available()
+    dg = B.load_deepgemm()  # must not raise here
+    assert dg.mod is None and dg.note
+    for s in (B.SHAPES["pro"][0], B.SHAPES["pro"][2], B.SHAPES["pro"][6]):
+        rows_by_m = {m: B.new_row("pro", s, m) for m in (1, 16)}
+        B.bench_deepgemm(s, [1, 16], rows_by_m, B.Budget(None), dg)
+        for r in rows_by_m.values():
+            assert r["deepgemm_us"] is None
+            assert r["deepgemm_error"].startswith("n/a")
+
+
+def test_deepgemm_failure_is_recorded_not_raised():
+    class Broken:
+        def get_mk_alignment_for_contiguous_layout(self):
+            return [128, 128]
+
+        def __getattr__(self, name):
+            raise RuntimeError(f"DeepGEMM JIT unavailable ({name})")
+
+    dg = B.DeepGemm(Broken(), None, False, "fake")
+    s = B.SHAPES["flash"][0]
+    rows_by_m = {1: B.new_row("flash", s, 1)}
+    B.bench_deepgemm(s, [1], rows_by_m, B.Budget(None), dg)  # CPU: tensor alloc on cuda fails
+    assert rows_by_m[1]["deepgemm_error"].startswith("error: ")
+    assert rows_by_m[1]["deepgemm_us"] is None
+
+
+def test_deepgemm_applies():
+    assert B.deepgemm_applies(B.Shape("x", "dense", 96, 4096)) is not None
+    assert B.deepgemm_applies(B.Shape("x", "dense", 64, 4096)) is None
+    assert all(B.deepgemm_applies(s) is None for m in B.MODELS for s in B.SHAPES[m])

@@ -1,0 +1,338 @@
+"""bench/serve_bench.py runs the real `vllm bench serve` CLI of the pinned vLLM against a stub
+OpenAI completions server (streaming, usage, /v1/models with max_model_len) and parses what that
+CLI saves; bench/plot_serve.py turns result files into one markdown table (and a PNG)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from cutedsl.tools.tiny_tokenizer import tokenizer_files
+
+ROOT = Path(__file__).parents[1]
+VOCAB = 4096  # the flash-layers preset's vocab_size
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+serve_bench = _load("serve_bench")
+plot_serve = _load("plot_serve")
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tok")
+    for fn, obj in tokenizer_files(VOCAB).items():
+        (d / fn).write_text(json.dumps(obj))
+    return d
+
+
+def _stub(tok_dir: Path, model: str, max_model_len: int):
+    """Stub vLLM server; counts prompt tokens with the tiny tokenizer; logs every request."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    seen: list[dict] = []
+    lock = threading.Lock()
+
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):  # quiet
+            pass
+
+        def _json(self, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path != "/v1/models":
+                self.send_error(404)
+                return
+            self._json({"object": "list", "data": [
+                {"id": model, "object": "model", "max_model_len": max_model_len}]})  # fmt: skip
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path != "/v1/completions" or body.get("model") != model:
+                self.send_error(404)
+                return
+            n_prompt = len(tok.encode(body["prompt"], add_special_tokens=False))
+            with lock:
+                seen.append({**body, "n_prompt": n_prompt})
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for i in range(body["max_tokens"]):
+                time.sleep(0.002)
+                ch = {"choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}
+                self.wfile.write(f"data: {json.dumps(ch)}\n\n".encode())
+                self.wfile.flush()
+            usage = {"prompt_tokens": n_prompt, "completion_tokens": body["max_tokens"]}
+            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+            self.close_connection = True
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}", seen
+
+
+def test_helpers() -> None:
+    assert serve_bench.parse_shapes("1024x1024, 8192X1024") == [(1024, 1024), (8192, 1024)]
+    for bad in ("1024", "0x8", "ax8"):
+        with pytest.raises(ValueError, match="--shapes"):
+            serve_bench.parse_shapes(bad)
+    fit = serve_bench.fit_shape
+    assert fit(1024, 1024, 4096, 16) == (1024, 1024)
+    assert fit(8192, 1024, None, 16) == (8192, 1024)
+    a, b = fit(8192, 1024, 4096, 16)  # 4080 / 9216
+    assert (a, b) == (math.floor(8192 * 4080 / 9216), math.floor(1024 * 4080 / 9216))
+    assert a + b <= 4080
+    with pytest.raises(ValueError, match="cannot fit"):
+        fit(100, 100, 10, 9)
+    skip = serve_bench.should_skip
+    assert not skip(None, 100.0) and not skip(10.0, None) and not skip(10.0, 9.0)
+    assert skip(10.0, 11.0) and skip(0.0, None)
+
+
+def test_end_to_end_real_cli(tok_dir: Path, tmp_path: Path) -> None:
+    srv, url, seen = _stub(tok_dir, str(tok_dir), max_model_len=64)
+    out = tmp_path / "ours.json"
+    try:
+        # 16x8 fits; 64x32 (96 > 64 - 4) is scaled by 60/96 to 40x20.
+        rc = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "serve_bench.py"), "--base-url", url,
+             "--model", str(tok_dir), "--label", "stub", "--shapes", "16x8,64x32",
+             "--concurrency", "1,2", "--prompts-per-concurrency", "2", "--fit-margin", "4",
+             "--seed", "3", "--out", str(out), "--log-dir", str(tmp_path / "logs"),
+             "--run-timeout", "240"],
+            cwd=ROOT, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        srv.shutdown()
+    assert rc.returncode == 0, rc.stdout + rc.stderr
+    assert rc.stdout.count("stub_") == 4, rc.stdout  # one progress line per run
+    doc = json.loads(out.read_text())
+    h = doc["header"]
+    assert h["vllm_version"] == importlib.metadata.version("vllm") == "0.21.0"
+    assert h["max_model_len"] == 64 and h["label"] == "stub" and "serve_bench.py" in h["command"]
+    assert h["date"].endswith("+00:00") and h["device"]
+    runs = doc["runs"]
+    want = [("16x8", "16x8", 1), ("16x8", "16x8", 2), ("64x32", "40x20", 1), ("64x32", "40x20", 2)]
+    assert [(r["requested_shape"], r["shape"], r["concurrency"]) for r in runs] == want
+    for r in runs:
+        n, inp, outl = 2 * r["concurrency"], r["input_len"], r["output_len"]
+        assert r["status"] == "ok", r
+        assert (r["num_prompts"], r["completed"], r["failed"]) == (n, n, 0)
+        assert r["total_input_tokens"] == n * inp and r["total_output_tokens"] == n * outl
+        cmd = r["command"].split()
+        assert cmd[cmd.index("--max-concurrency") + 1] == str(r["concurrency"])
+        assert cmd[cmd.index("--random-input-len") + 1] == str(inp)
+        assert cmd[cmd.index("--random-output-len") + 1] == str(outl)
+        assert cmd[cmd.index("--num-prompts") + 1] == str(n)
+        assert math.isclose(r["output_throughput"], n * outl / r["duration"], rel_tol=1e-9)
+        assert math.isclose(r["request_throughput"], n / r["duration"], rel_tol=1e-9)
+        tot = n * (inp + outl) / r["duration"]
+        assert math.isclose(r["total_token_throughput"], tot, rel_tol=1e-9)
+        for m in ("ttft", "tpot", "itl", "e2el"):
+            vals = [r[f"{s}_{m}_ms"] for s in ("mean", "median", "p90", "p99")]
+            assert all(v is not None and math.isfinite(v) and v > 0 for v in vals), (m, vals)
+            assert r[f"median_{m}_ms"] <= r[f"p99_{m}_ms"]
+        # The stub sleeps 2 ms before every token, so TPOT/ITL cannot be below that.
+        assert r["median_tpot_ms"] >= 2.0 and r["median_itl_ms"] >= 2.0
+    # What the server saw: exactly the benchmark's requests (no warmup / ready probe), random
+    # prompts of exactly IN tokens, OUT max tokens, ignore_eos, greedy, streaming with usage.
+    assert len(seen) == sum(2 * r["concurrency"] for r in runs)
+    shapes_seen = sorted((s["n_prompt"], s["max_tokens"]) for s in seen)
+    assert shapes_seen == sorted([(16, 8)] * 6 + [(40, 20)] * 6)
+    assert all(s["ignore_eos"] and s["stream"] and s["temperature"] == 0.0 for s in seen)
+    assert all(s["stream_options"] == {"include_usage": True} for s in seen)
+    assert len({s["prompt"] for s in seen}) > 1  # random prompts, not one repeated string
+
+
+def test_budget_timeout_and_skip(tok_dir: Path, tmp_path: Path) -> None:
+    """A 2 s budget kills the first run (the CLI alone imports vLLM for ~15 s), keeps its record
+    as "timeout", and skips the rest; the JSON is complete and the exit status is 1."""
+    out = tmp_path / "b.json"
+    t0 = time.monotonic()
+    rc = serve_bench.main(["--base-url", "http://127.0.0.1:9", "--model", str(tok_dir),
+                           "--label", "b", "--shapes", "16x8", "--concurrency", "1,2,4",
+                           "--no-fit", "--time-budget", "2", "--out", str(out),
+                           "--log-dir", str(tmp_path / "logs")])  # fmt: skip
+    assert time.monotonic() - t0 < 30
+    assert rc == 1
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["status"] for r in runs] == ["timeout", "skipped", "skipped"]
+    assert runs[0]["wall_s"] < 10 and "bench serve" in runs[0]["command"]
+    assert "time budget" in runs[1]["error"]
+
+
+def test_bad_args(tmp_path: Path) -> None:
+    base = ["--base-url", "http://127.0.0.1:9", "--model", "m", "--label", "x",
+            "--out", str(tmp_path / "x.json"), "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    assert serve_bench.main([*base, "--shapes", "16"]) == 2
+    assert serve_bench.main([*base, "--concurrency", "0"]) == 2
+    assert serve_bench.main([*base, "--shapes", "100x100", "--max-model-len", "10"]) == 2
+    assert not (tmp_path / "x.json").exists()
+
+
+def _synthetic(path: Path, label: str, tput: dict, skipped: tuple = ()) -> Path:
+    runs = []
+    for (shape, conc), v in tput.items():
+        runs.append(
+            {
+                "label": label,
+                "requested_shape": shape,
+                "shape": shape,
+                "concurrency": conc,
+                "num_prompts": 2 * conc,
+                "status": "ok",
+                "completed": 2 * conc,
+                "failed": 0,
+                "output_throughput": v,
+                "median_ttft_ms": v / 10,
+                "median_tpot_ms": 1000 / v,
+                "duration": 1.0,
+            }
+        )
+    for shape, conc in skipped:
+        runs.append(
+            {
+                "label": label,
+                "requested_shape": shape,
+                "shape": shape,
+                "concurrency": conc,
+                "num_prompts": 2 * conc,
+                "status": "skipped",
+            }
+        )
+    hdr = {
+        "command": f"python bench/serve_bench.py --label {label}",
+        "label": label,
+        "date": "2026-12-03T10:00:00+00:00",
+        "device": "NVIDIA H200",
+        "vllm_version": "0.21.0",
+    }
+    path.write_text(json.dumps({"header": hdr, "runs": runs}))
+    return path
+
+
+def test_plot_md(tmp_path: Path) -> None:
+    ours = _synthetic(tmp_path / "o.json", "ours",
+                      {("16x8", 1): 100.0, ("16x8", 8): 640.0, ("32x8", 1): 90.0},
+                      skipped=(("32x8", 8),))  # fmt: skip
+    base = _synthetic(tmp_path / "u.json", "up",
+                      {("16x8", 1): 50.0, ("16x8", 8): 800.0, ("32x8", 8): 300.0})  # fmt: skip
+    md = tmp_path / "t.md"
+    assert plot_serve.main([str(ours), str(base), "--md", str(md)]) == 0
+    text = md.read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 9 and cells[0] in ("16x8", "32x8"):
+            rows[(cells[0], int(cells[1]))] = cells[2:]
+    # columns: ours tok/s, TTFT, TPOT, up tok/s, TTFT, TPOT, ours/up
+    assert rows[("16x8", 1)] == ["100.0", "10.0", "10.00", "50.0", "5.0", "20.00", "2.00"]
+    assert rows[("16x8", 8)] == ["640.0", "64.0", "1.56", "800.0", "80.0", "1.25", "0.80"]
+    assert rows[("32x8", 1)] == ["90.0", "9.0", "11.11", "—", "—", "—", "—"]
+    assert rows[("32x8", 8)] == ["skipped", "skipped", "skipped", "300.0", "30.0", "3.33", "—"]
+    assert len(rows) == 4
+    assert "ours/up" in text and "python bench/serve_bench.py --label ours" in text
+    assert "2026-12-03T10:00:00+00:00" in text and "NVIDIA H200" in text
+    # --baseline swaps the ratio's direction.
+    assert plot_serve.main([str(ours), str(base), "--md", str(md), "--baseline", "ours"]) == 0
+    ratios = {}
+    for line in md.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 9 and cells[0] in ("16x8", "32x8"):
+            ratios[(cells[0], int(cells[1]))] = cells[8]
+        elif cells[0] == "shape":
+            assert cells[8] == "up/ours out tok/s"
+    want = {("16x8", 1): "0.50", ("16x8", 8): "1.25", ("32x8", 1): "—", ("32x8", 8): "—"}
+    assert ratios == want
+    assert plot_serve.main([str(ours), "--md", str(md), "--baseline", "nope"]) == 2
+
+
+def test_plot_png_without_matplotlib(tmp_path: Path) -> None:
+    if importlib.util.find_spec("matplotlib") is not None:
+        pytest.skip("matplotlib is installed here: the missing-matplotlib path cannot be tested")
+    f = _synthetic(tmp_path / "o.json", "ours", {("16x8", 1): 100.0})
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "plot_serve.py"), str(f),
+         "--md", str(tmp_path / "t.md"), "--png", str(tmp_path / "t.png")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "matplotlib" in r.stderr and "--png" in r.stderr
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_sigterm_kills_the_cli_and_keeps_the_row(tok_dir: Path, tmp_path: Path) -> None:
+    """A driver's `timeout` sends SIGTERM: the CLI (own process group) must die with it, and the
+    interrupted run must be in the JSON."""
+    out, logs = tmp_path / "s.json", tmp_path / "logs"
+    label = f"sigterm{time.monotonic_ns()}"
+    p = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "serve_bench.py"), "--base-url",
+         "http://127.0.0.1:9", "--model", str(tok_dir), "--label", label, "--shapes", "16x8",
+         "--concurrency", "1,2", "--no-fit", "--out", str(out), "--log-dir", str(logs)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (logs / f"{label}_16x8_c1.log").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+
+    def cli_pids() -> list[int]:
+        pids = []
+        for d in Path("/proc").iterdir():
+            try:
+                cmdline = (d / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if d.name.isdigit() and "bench\0serve" in cmdline and label in cmdline:
+                pids.append(int(d.name))
+        return pids
+
+    assert cli_pids(), "the benchmark CLI did not start"
+    p.terminate()
+    stdout, _ = p.communicate(timeout=30)
+    assert p.returncode == 143, stdout
+    time.sleep(0.2)
+    assert cli_pids() == []
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["status"] for r in runs] == ["interrupted"]
+    assert "SIGTERM" in runs[0]["error"] and "--max-concurrency 1" in runs[0]["command"]
+
+
+def test_plot_png(tmp_path: Path) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib is not installed here (it is on the GPU machine)")
+    f = _synthetic(tmp_path / "o.json", "ours", {("16x8", 1): 100.0, ("16x8", 8): 640.0})
+    g = _synthetic(tmp_path / "u.json", "up", {("16x8", 1): 50.0, ("32x8", 8): 800.0})
+    png = tmp_path / "t.png"
+    assert plot_serve.main([str(f), str(g), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
