@@ -23,13 +23,14 @@ for port in 8001 8002; do
     echo "$(date -u +%T) port $port healthy=$(curl -sf http://127.0.0.1:$port/health >/dev/null && echo yes || echo no) at ${SECONDS}s" | tee -a "$OUT/summary.txt"
 done
 shapes=${SHAPES:-1024x1024,8192x1024}
-conc=${CONCURRENCY:-1,4,16,64}
+conc=${CONCURRENCY:-1,8,64}
 per=$(( (BUDGET - SECONDS - 60) / 2 ))
 for spec in cutedsl-nvfp4:8001 upstream-native:8002; do
     label=${spec%%:*}; port=${spec##*:}
     step "bench_$label" $((per + 30)) python3 "$REPO/bench/serve_bench.py" --base-url "http://127.0.0.1:$port" \
         --model flash --tokenizer /tmp/ckpt/flash-nvfp4 --label "$label" --shapes "$shapes" \
-        --concurrency "$conc" --prompts-per-concurrency 2 --time-budget "$per" --out "$R/serve_$label.json"
+        --concurrency "$conc" --prompts-per-concurrency 2 --time-budget "$per" --log-dir "$R/logs_$label" \
+        --out "$R/serve_$label.json"
 done
 step plot 60 python3 "$REPO/bench/plot_serve.py" "$R/serve_cutedsl-nvfp4.json" "$R/serve_upstream-native.json" \
     --md "$R/serve_bench.md" --png "$R/serve_bench.png"
