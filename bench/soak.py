@@ -160,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         help="measure GPU memory of this process tree (not the whole GPU)",
     )
     ap.add_argument("--memory-tolerance-mib", type=int, default=64)
+    ap.add_argument(
+        "--memory-warmup-s",
+        type=float,
+        default=30.0,
+        help="load seconds before the memory baseline (pools grow to the largest batch first)",
+    )
     args = ap.parse_args(argv)
     plens = [int(x) for x in args.prompt_lens.split(",")]
     olens = [int(x) for x in args.output_lens.split(",")]
@@ -178,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     def memory() -> int | list[int] | None:
         return server_memory_mib(args.server_pid) if args.server_pid else gpu_memory_mib()
 
-    greedy_before = greedy("before")  # after one request pass: the server's pools are warm
+    greedy_before = greedy("before")
+    # The same requests again, still idle: if these differ the server is not repeatable at all
+    # (e.g. atomics), which tells that apart from a change caused by the load (cache, state).
+    greedy_repeat = greedy("repeat")
     mem_before = memory()
     stop_at = time.monotonic() + args.duration
     counts = {"requests": 0, "streamed": 0}
@@ -218,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     def _total(m):
         return sum(m) if isinstance(m, list) else m
 
+    warm = next(
+        (m for ts, m in samples if ts >= args.memory_warmup_s and m is not None), mem_before
+    )
     growth = (
-        _total(mem_after) - _total(mem_before)
-        if mem_before is not None and mem_after is not None
-        else None
+        _total(mem_after) - _total(warm) if warm is not None and mem_after is not None else None
     )
     result = {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
@@ -240,9 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.server_pid
         else "whole GPU (nvidia-smi memory.used)",
         "gpu_memory_samples": samples,
-        "gpu_memory_growth_mib": growth,
+        "gpu_memory_mib_after_warmup": warm,
+        "gpu_memory_warmup_s": args.memory_warmup_s,
+        "gpu_memory_growth_mib": growth,  # after the warm-up sample -> after the load
         "memory_flat": growth is not None and growth <= args.memory_tolerance_mib,
         "greedy_identical": greedy_before is not None and greedy_before == greedy_after,
+        "greedy_repeatable_idle": greedy_before is not None and greedy_before == greedy_repeat,
+        "greedy_outputs": {"before": greedy_before, "repeat": greedy_repeat, "after": greedy_after},
     }
     text = json.dumps(result, indent=2)
     print(text)

@@ -12,7 +12,7 @@ fp32 combine accumulator) are views of a `cutedsl.workspace` reserved by `warmup
 (MoE and o-proj: role "main"; shared MLP: role "shared", vLLM may run it on a side stream; a
 linear: a private one, DSv4 runs two linears concurrently), fetched per call; a call with more
 rows than warmed up raises `cutedsl.workspace.WorkspaceError`. torch.sort / torch.cumsum of the
-MoE layout may take cub scratch from the caching allocator (inside torch).
+MoE layout allocate inside torch (an index arange, cub scratch), once per MoE call.
 """
 
 from __future__ import annotations

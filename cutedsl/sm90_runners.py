@@ -14,8 +14,8 @@ intermediate (split-K fp32 buffers, the o-proj's per-group operand and output, r
 the gathered MoE rows, h, the SwiGLU result and its fp32 scratch, y, the combine accumulator) is
 a view of the workspace fetched per call; a call with more rows than warmed up raises
 `cutedsl.workspace.WorkspaceError`. Kernel operands keep the layouts the kernels were validated
-with (contiguous, same strides). torch.sort takes cub scratch from the caching allocator for more
-than 4096 routed rows (prefill sizes); that is inside torch.
+with (contiguous, same strides). Not yet met: torch.sort in `cutedsl.moe.route` allocates once
+per MoE call inside torch (measured on the H200, 2026-12-02; see route()).
 """
 
 from __future__ import annotations

@@ -66,6 +66,13 @@ def _dev(backend: str) -> torch.device:
     return torch.device("cpu" if backend == "reference" else "cuda")
 
 
+def _warm(runner, max_tokens: int):
+    """GPU backends compile and reserve their workspaces here (a call without it raises
+    WorkspaceError, as on the H200 run of 2026-12-02 before this was added)."""
+    runner.warmup(max_tokens)
+    return runner
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tp", [2])
 def test_linear_runners_on_shards_reassemble(tp: int, backend: str) -> None:
@@ -77,11 +84,14 @@ def test_linear_runners_on_shards_reassemble(tp: int, backend: str) -> None:
     want = Nvfp4Linear(*[t.cpu() for t in wq], backend="reference")(x.cpu()).float()
     col = torch.cat(
         [
-            Nvfp4Linear(
-                _column_shard(wq[0], r, tp).contiguous(),
-                _column_shard(wq[1], r, tp).contiguous(),
-                wq[2],
-                backend=backend,
+            _warm(
+                Nvfp4Linear(
+                    _column_shard(wq[0], r, tp).contiguous(),
+                    _column_shard(wq[1], r, tp).contiguous(),
+                    wq[2],
+                    backend=backend,
+                ),
+                m,
             )(x).cpu()
             for r in range(tp)
         ],
@@ -98,7 +108,8 @@ def test_linear_runners_on_shards_reassemble(tp: int, backend: str) -> None:
         p, s = (t.contiguous() for t in _row_shard(wq[0], wq[1], r, tp))
         xs = x[:, r * k // tp : (r + 1) * k // tp].contiguous()
         kw = {"out_dtype": torch.float32} if backend == "reference" else {}
-        parts.append(Nvfp4Linear(p, s, wq[2], backend=backend, **kw)(xs).float().cpu())
+        lin = _warm(Nvfp4Linear(p, s, wq[2], backend=backend, **kw), m)
+        parts.append(lin(xs).float().cpu())
     torch.testing.assert_close(sum(parts), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
@@ -127,6 +138,7 @@ def test_expert_parallel_ranks_sum_to_the_full_moe(backend: str) -> None:
             None,
             backend=backend,
         )
+        _warm(moe, m)
         out = torch.full((m, h), float("nan"), dtype=torch.bfloat16, device=dev)
         moe(x.to(dev), local.to(dev), tw.to(dev), out)
         total += out.float().cpu()

@@ -64,6 +64,7 @@ def test_clean_run(tmp_path: Path) -> None:
     finally:
         srv.shutdown()
     assert rc == 0 and res["errors"] == 0 and res["greedy_identical"]
+    assert res["greedy_repeatable_idle"] and len(res["greedy_outputs"]["after"]) == 3
     assert res["requests"] > 10 and 0 < res["streamed"] < res["requests"]
     assert res["latency_s"]["p50"] is not None
 
@@ -80,7 +81,8 @@ def test_errors_and_drift_fail_the_run(tmp_path: Path) -> None:
         rc, res = _run(url, tmp_path)
     finally:
         srv.shutdown()
-    assert rc == 1 and not res["greedy_identical"]
+    assert rc == 1 and not res["greedy_identical"] and not res["greedy_repeatable_idle"]
+    assert res["greedy_outputs"]["before"] != res["greedy_outputs"]["after"]
 
 
 def test_refuses_non_loopback() -> None:

@@ -29,7 +29,7 @@ for spec in cutedsl-nvfp4:8001 upstream-native:8002; do
     label=${spec%%:*}; port=${spec##*:}
     step "bench_$label" $((per + 30)) python3 "$REPO/bench/serve_bench.py" --base-url "http://127.0.0.1:$port" \
         --model flash --tokenizer /tmp/ckpt/flash-nvfp4 --label "$label" --shapes "$shapes" \
-        --concurrency "$conc" --prompts-per-concurrency 2 --time-budget "$per" --log-dir "$R/logs_$label" \
+        --concurrency "$conc" --prompts-per-concurrency 2 --num-warmups 2 --time-budget "$per" --log-dir "$R/logs_$label" \
         --out "$R/serve_$label.json"
 done
 step plot 60 python3 "$REPO/bench/plot_serve.py" "$R/serve_cutedsl-nvfp4.json" "$R/serve_upstream-native.json" \

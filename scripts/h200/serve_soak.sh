@@ -25,7 +25,7 @@ wait_health() {  # wait_health PORT SECONDS PID
 s=$SECONDS
 # A bounded share of the GPU, so the benchmark servers can start beside it.
 PORT=8000 VLLM_EXTRA_ARGS="--gpu-memory-utilization 0.25 --kv-cache-memory-bytes 8000000000" \
-    "${OURS[@]}" bash "$REPO/scripts/serve.sh" >"$R/serve_tiny.log" 2>&1 &
+    setsid "${OURS[@]}" bash "$REPO/scripts/serve.sh" >"$R/serve_tiny.log" 2>&1 < /dev/null &
 srv=$!
 if ! wait_health 8000 360 $srv; then
     echo "tiny server did not become healthy ($((SECONDS - s)) s)" | tee -a "$OUT/summary.txt"
@@ -51,7 +51,11 @@ import json, sys
 p, note = sys.argv[1], sys.argv[2]
 d = json.load(open(p)); d["concurrent_on_machine"] = note; json.dump(d, open(p, "w"), indent=2)
 PY
-kill $srv; wait $srv 2>/dev/null
+# Stop the server's whole process group; SIGKILL if it has not exited after 30 s (on the H200,
+# 2026-12-02, the API server logged a clean shutdown and then never exited).
+kill -TERM -- -$srv 2>/dev/null
+for ((i = 0; i < 30; i++)); do kill -0 $srv 2>/dev/null || break; sleep 1; done
+kill -KILL -- -$srv 2>/dev/null
 cp /tmp/serve_flash_*.log "$R/" 2>/dev/null
 python3 -c 'import json; d=json.load(open("'"$R"'/soak.json")); print({k: d.get(k) for k in ("requests","errors","latency_s","ttft_s","gpu_memory_growth_mib","memory_flat","greedy_identical")})'
 bundle serve_soak
