@@ -314,6 +314,8 @@ def compare(ckpt: str, dense: list, golden_models: dict) -> list[dict]:
                     "greedy_agree": float(ap.double().mean()) if ap.numel() else None,
                     "uniform_positions": int(up.sum()),
                     "nonfinite_positions": int((~fp).sum()),
+                    "cos": [round(float(x), 5) for x in cp],  # per position t (predicts t+1)
+                    "greedy_agree_per_position": [bool(x) for x in ap],
                 },
                 "first_token": {"cos": float(cg[0]), "agree": bool(ag[0])},
                 "decode": {
