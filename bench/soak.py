@@ -83,15 +83,18 @@ def complete(
         conn.close()
 
 
-def gpu_memory_mib() -> list[int] | None:
+def _smi(query: str) -> str | None:
+    """nvidia-smi's CSV answer to `query` (e.g. "--query-gpu=memory.used"); None without it."""
     if shutil.which("nvidia-smi") is None:
         return None
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout
+    cmd = ["nvidia-smi", query, "--format=csv,noheader,nounits"]
+    return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
+
+
+def gpu_memory_mib() -> list[int] | None:
+    out = _smi("--query-gpu=memory.used")
+    if out is None:
+        return None
     return [int(x) for x in out.split()] or None
 
 
@@ -118,14 +121,9 @@ def process_tree(pid: int) -> set[int]:
 def server_memory_mib(pid: int) -> int | None:
     """GPU memory held by the processes of the server's process tree (nvidia-smi compute apps);
     None when nvidia-smi is absent or shows none of them (e.g. another PID namespace)."""
-    if shutil.which("nvidia-smi") is None:
+    out = _smi("--query-compute-apps=pid,used_memory")
+    if out is None:
         return None
-    out = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout
     tree, total, seen = process_tree(pid), 0, False
     for line in out.splitlines():
         parts = [x.strip() for x in line.split(",")]
