@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import pytest
 import torch
 
-from cutedsl import formats
+from cutedsl import formats, workspace
+from cutedsl.workspace import Workspace
 
 
 def fresh_gen() -> torch.Generator:
@@ -32,3 +36,32 @@ def assert_close_to_ref(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite output"
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 1e-2 * want.abs().max().item() + 1e-4, err
+
+
+def workspaces(impl) -> list[Workspace]:
+    """The runner impl's own workspaces and every shared (per-role) one."""
+    own = [v for v in vars(impl).values() if isinstance(v, Workspace)]
+    return own + list(workspace._SHARED.values())
+
+
+def warm_and_poison(impl, max_tokens: int) -> None:
+    """impl.warmup(max_tokens), then fill every workspace byte with 0xFF (NaN in bf16 / fp32), so
+    an intermediate read before it is written shows in the result."""
+    impl.warmup(max_tokens)
+    wss = workspaces(impl)
+    assert wss and any(ws._bufs for ws in wss), "warm-up reserved nothing"
+    for ws in wss:
+        for b in ws._bufs.values():
+            b.fill_(0xFF)
+
+
+@contextlib.contextmanager
+def no_reserve(monkeypatch: pytest.MonkeyPatch):
+    """Within: any Workspace.reserve (a hot-path allocation) fails the test."""
+
+    def refuse(self, name, shape, dtype):
+        raise AssertionError(f"hot path reserved {self.label}/{name} {list(shape)} {dtype}")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Workspace, "reserve", refuse)
+        yield

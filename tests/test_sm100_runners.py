@@ -9,11 +9,11 @@ raises the workspace's clear error."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from nvfp4_data import assert_close_to_ref, bf16, fresh_gen, quantized
+from nvfp4_data import no_reserve as _no_reserve
+from nvfp4_data import warm_and_poison as _warm
 
 from cutedsl import formats, reference, sm100, sm100_runners, workspace
 from cutedsl.grouped_oproj import Nvfp4GroupedOproj
@@ -31,30 +31,6 @@ def warm(emulated_device, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(workspace, "_SHARED", {})
     monkeypatch.setattr(sm100, "warmup", lambda limit=None: None)
     return _warm
-
-
-def _workspaces(impl) -> list[Workspace]:
-    own = [v for v in vars(impl).values() if isinstance(v, Workspace)]
-    return own + list(workspace._SHARED.values())
-
-
-def _warm(impl, max_tokens: int) -> None:
-    impl.warmup(max_tokens)
-    wss = _workspaces(impl)
-    assert wss and any(ws._bufs for ws in wss), "warm-up reserved nothing"
-    for ws in wss:
-        for b in ws._bufs.values():
-            b.fill_(0xFF)  # NaN in bf16 / fp32: an intermediate read before written shows
-
-
-@contextlib.contextmanager
-def _no_reserve(monkeypatch: pytest.MonkeyPatch):
-    def refuse(self, name, shape, dtype):
-        raise AssertionError(f"hot path reserved {self.label}/{name} {list(shape)} {dtype}")
-
-    with monkeypatch.context() as mp:
-        mp.setattr(Workspace, "reserve", refuse)
-        yield
 
 
 def _in_scale(x: torch.Tensor) -> torch.Tensor:
