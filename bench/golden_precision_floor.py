@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from cutedsl.golden import golden_logits, load_model
+    from cutedsl.golden import golden_logits, load_model, logprob_cosine
     from cutedsl.tools.tiny_model import generate
 
     tmp = None
@@ -51,9 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         lp[dt] = torch.log_softmax(golden_logits(model, ids).double().cpu(), -1)
         del model
     x, y = lp[torch.float32], lp[torch.bfloat16]
-    cos = torch.nn.functional.cosine_similarity(
-        x - x.mean(-1, keepdim=True), y - y.mean(-1, keepdim=True), dim=-1
-    )
+    cos = logprob_cosine(x, y)
     res = {
         "command": " ".join(shlex.quote(v) for v in [sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -45,32 +45,33 @@ def _checks(client, model: str, max_tokens: int) -> dict[str, Callable[[], dict]
             "deterministic": again.choices[0].text == c.text,
         }
 
-    def completion_stream() -> dict:
+    def drain(stream, piece: Callable) -> dict:
+        """Read a stream with usage: chunk count, concatenated `piece(choice)`, finish, usage;
+        ok if it came in >= 2 chunks, finished by length with max_tokens completion tokens."""
         chunks, text, finish, usage = 0, "", None, None
-        stream = client.completions.create(
-            model=model,
-            prompt="Once upon a time",
-            stream=True,
-            stream_options={"include_usage": True},
-            **greedy,
-        )
         for ev in stream:
             if ev.usage is not None:
                 usage = ev.usage.model_dump()
             for c in ev.choices:
                 chunks += 1
-                text += c.text
+                text += piece(c)
                 finish = c.finish_reason or finish
-        return {
-            "chunks": chunks,
-            "text": text,
-            "finish_reason": finish,
-            "usage": usage,
-            "ok": chunks >= 2
-            and bool(text)
+        ok = (
+            chunks >= 2
             and finish == "length"
-            and (usage or {}).get("completion_tokens") == max_tokens,
-        }
+            and (usage or {}).get("completion_tokens") == max_tokens
+        )
+        return {"chunks": chunks, "text": text, "finish_reason": finish, "usage": usage, "ok": ok}
+
+    stream_kw = {"stream": True, "stream_options": {"include_usage": True}, **greedy}
+
+    def completion_stream() -> dict:
+        r = drain(
+            client.completions.create(model=model, prompt="Once upon a time", **stream_kw),
+            lambda c: c.text,
+        )
+        r["ok"] = r["ok"] and bool(r["text"])
+        return r
 
     def token_ids_prompt() -> dict:
         r = client.completions.create(model=model, prompt=[5, 17, 99, 240, 3], **greedy)
@@ -96,31 +97,10 @@ def _checks(client, model: str, max_tokens: int) -> dict[str, Callable[[], dict]
         }
 
     def chat_stream() -> dict:
-        chunks, content, finish, usage = 0, "", None, None
-        stream = client.chat.completions.create(
-            model=model,
-            messages=messages,
-            stream=True,
-            stream_options={"include_usage": True},
-            **greedy,
+        return drain(
+            client.chat.completions.create(model=model, messages=messages, **stream_kw),
+            lambda c: (c.delta.content or "") + (getattr(c.delta, "reasoning_content", None) or ""),
         )
-        for ev in stream:
-            if ev.usage is not None:
-                usage = ev.usage.model_dump()
-            for c in ev.choices:
-                chunks += 1
-                d = c.delta
-                content += (d.content or "") + (getattr(d, "reasoning_content", None) or "")
-                finish = c.finish_reason or finish
-        return {
-            "chunks": chunks,
-            "content": content,
-            "finish_reason": finish,
-            "usage": usage,
-            "ok": chunks >= 2
-            and finish == "length"
-            and (usage or {}).get("completion_tokens") == max_tokens,
-        }
 
     return {
         "completion": completion,

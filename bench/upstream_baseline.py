@@ -281,7 +281,7 @@ def worker(args) -> dict:
 def compare(ckpt: str, dense: list, golden_models: dict) -> list[dict]:
     import torch
 
-    from cutedsl.golden import golden_logits
+    from cutedsl.golden import golden_logits, logprob_cosine
 
     out = []
     for d in dense:
@@ -297,9 +297,7 @@ def compare(ckpt: str, dense: list, golden_models: dict) -> list[dict]:
             def stats(v, r):
                 v = v.double()
                 finite = torch.isfinite(v).all(-1)
-                vc = v - v.mean(-1, keepdim=True)
-                rc = r - r.mean(-1, keepdim=True)
-                cos = torch.nn.functional.cosine_similarity(vc, rc, dim=-1)
+                cos = logprob_cosine(v, r)
                 agree = v.argmax(-1) == r.argmax(-1)
                 uniform = v.std(-1) < 1e-6
                 return cos, agree, uniform, finite

@@ -148,6 +148,15 @@ def golden_logits(model, token_ids) -> torch.Tensor:
     return out.logits[0].float()
 
 
+def logprob_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-row cosine of the centred vectors a, b [..., V] (log-probs or logits: centring makes
+    it shift-invariant), in float64: the agreement metric against the golden reference."""
+    a, b = a.double(), b.double()
+    return torch.nn.functional.cosine_similarity(
+        a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True), dim=-1
+    )
+
+
 @torch.no_grad()
 def layer_rms(model, token_ids) -> dict[str, float]:
     """RMS of the residual streams after each decoder layer, of each MoE block output, and of

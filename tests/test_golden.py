@@ -31,11 +31,7 @@ def ckpts(tmp_path_factory):
     return out
 
 
-def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    a, b = a.double(), b.double()
-    return torch.nn.functional.cosine_similarity(
-        a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True), dim=-1
-    )
+_cos = G.logprob_cosine
 
 
 def test_deterministic_sane_and_hf_names_identical(ckpts):
