@@ -10,9 +10,17 @@ Public functions (torch tensors in, torch tensors out; BF16 activations and outp
   sm90_nvfp4_grouped_gemm(a[G, M, K], wp(G groups)) -> [G, M, N]                (wo_a)
   sm90_nvfp4_moe_gemm(a[T, K], offs[E+1] int32 device, wp(E groups)) -> [T, N]  (experts)
 
-Weight prep: the packed bytes stay as they are ([L, N, K/2], element 2i in the low nibble); the
-e4m3 block scales are transposed to [L, K/16, N] (N-contiguous, so one TMA box of tile_n bytes
-carries a K tile's scales); the global scale becomes an fp32 [L] vector.
+Weight prep (`prepare_nvfp4_weight`, once at load) re-encodes the NVFP4 weight for the kernel's
+register dequantization (kernels/device_utils.py decodes it; `decode_emulated` is its host model):
+- weights, uint8 [L, N, K/2]: per row and 64-wide K tile, 32 bytes = 4 lanes c x 2 words q x 4 bytes.
+  Word (c, q) holds the 8 e2m1 codes the wgmma A fragment of lane c needs for K blocks j = 2q, 2q+1:
+  pair p = 2*(j - 2q) + h holds k = 16j + 8h + 2c + (0, 1); magnitudes in nibbles 2p, 2p+1 (bits
+  0-2), signs at bits 15-4p and 31-4p.
+- block scales, int32 [L, K/64, N] (N contiguous: one TMA box of tile_n words per K tile): the 4
+  scales of a row's K tile, one byte each, as "e5m3" codes (value 2^E (1 + m/8), code (E+10)<<3 | m,
+  0 = zero), so that every e4m3 value (subnormals included) becomes a normal bf16 after `<< 4`.
+  Negative scales are folded into the signs of their 16 weights; NaN scales are refused.
+- global scale: fp32 [L], applied in the epilogue.
 
 Compile cache: keyed on compile-time values only (tile_n, tile_m, split_k, moe, out dtype); M, N,
 K, the group count, strides and addresses are runtime values (fake tensors with symbolic extents),
@@ -32,7 +40,8 @@ import torch
 from cutedsl.workspace import Workspace
 
 _BK = 64
-# Token tiles verified on the H200 (2026-12-02); others are refused before compiling.
+# Token tiles the GPU tests cover (tests/test_gemm_sm90.py); others are refused before compiling
+# (H200 2026-12-02, the first kernel: tile_m 8 gave wrong results, 24 aborted in cute.compile).
 TILE_M_VERIFIED = (16, 32, 64, 128, 256)
 _NUM_SMS_H200 = 132
 
@@ -41,8 +50,8 @@ _NUM_SMS_H200 = 132
 class Sm90Nvfp4Weight:
     """NVFP4 weight prepared for the sm_90a kernels.
 
-    w:  uint8 [L, N, K//2] (e2m1 pairs, element 2i in the low nibble), contiguous
-    sf: uint8 [L, K//16, N] (e4m3 codes, transposed block scales), contiguous
+    w:  uint8 [L, N, K//2], the sm90 weight encoding (module docstring), contiguous
+    sf: int32 [L, K//64, N], 4 e5m3 block-scale codes per word (module docstring), contiguous
     gs: float32 [L] global scale (weight_scale_2) per group
     """
 
@@ -87,14 +96,112 @@ def prepare_nvfp4_weight(
         gs = gs.expand(L)
     if gs.numel() != L:
         raise ValueError(f"b_gs: {gs.numel()} values, expected 1 or {L}")
-    return Sm90Nvfp4Weight(
-        w=b_packed.contiguous(),
-        sf=b_sf.view(torch.uint8).transpose(1, 2).contiguous(),
-        gs=gs.contiguous(),
-        n=N,
-        k=K,
-        groups=L,
-    )
+    w, sf = encode_weight(b_packed, b_sf.view(torch.uint8))
+    return Sm90Nvfp4Weight(w=w, sf=sf, gs=gs.contiguous(), n=N, k=K, groups=L)
+
+
+# ------------------------------------------------------------------------------ weight encoding
+
+# e4m3 magnitude byte (0..0x7E) -> e5m3 code: normal e4m3 (exponent field e >= 1) is x + 24;
+# subnormal m * 2^-9 (m = 1..7) renormalized; 0x7F (NaN) is refused before the lookup.
+_E5M3 = [0, 8, 16, 20, 24, 26, 28, 30] + [x + 24 for x in range(8, 128)]
+_ROWS_PER_CHUNK = 4096  # bounds the int64 temporaries of the encoding (rows x K x 8 B)
+
+
+def encode_weight(packed: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """packed uint8 [L, N, K/2] + e4m3 codes uint8 [L, N, K/16] -> (w uint8 [L, N, K/2], sf int32
+    [L, K/64, N]) in the sm90 encoding (module docstring). Runs on the tensors' device, in chunks
+    of rows."""
+    L, N, KH = packed.shape
+    K, T = 2 * KH, 2 * KH // _BK
+    if bool(((sf & 0x7F) == 0x7F).any()):
+        bad = ((sf & 0x7F) == 0x7F).nonzero()[0].tolist()
+        raise ValueError(f"b_sf: NaN block scale (e4m3 0x7F/0xFF) at [group, row, block] = {bad}")
+    rows_p, rows_s = packed.reshape(L * N, KH), sf.reshape(L * N, K // 16)
+    w_out = torch.empty_like(rows_p)
+    s_rows = torch.empty((L * N, T), dtype=torch.int32, device=packed.device)
+    e5m3 = torch.tensor(_E5M3, dtype=torch.int64, device=packed.device)
+    dev = packed.device
+    # bit positions inside a word, indexed [pair p, element e]: magnitude nibble and sign bit
+    p = torch.arange(4, device=dev)[:, None]
+    e = torch.arange(2, device=dev)[None, :]
+    mag_sh = (8 * p + 4 * e).reshape(8)
+    sgn_sh = (15 - 4 * p + 16 * e).reshape(8)
+    for r0 in range(0, L * N, _ROWS_PER_CHUNK):
+        r1 = min(L * N, r0 + _ROWS_PER_CHUNK)
+        b = rows_p[r0:r1].to(torch.int64)
+        codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(r1 - r0, K)  # element k
+        s = rows_s[r0:r1].to(torch.int64)
+        neg = (s & 0x80) != 0  # fold a negative scale into its 16 weights' signs
+        codes = codes ^ (neg.repeat_interleave(16, dim=1).to(torch.int64) << 3)
+        code_s = e5m3[s & 0x7F]  # [R, K/16]
+        # k = 64t + 16j + 8h + 2c + e with j = 2q + jj  ->  [R, t, c, q, (jj, h), e]
+        c6 = codes.reshape(r1 - r0, T, 2, 2, 2, 4, 2).permute(0, 1, 5, 2, 3, 4, 6)
+        c6 = c6.reshape(r1 - r0, T, 4, 2, 8)  # last dim: (pair p = 2jj + h, element e)
+        word = (((c6 & 7) << mag_sh) | ((c6 >> 3) << sgn_sh)).sum(-1)  # disjoint bits: sum = or
+        by = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1)  # little endian
+        w_out[r0:r1] = by.reshape(r1 - r0, KH).to(torch.uint8)
+        sj = code_s.reshape(r1 - r0, T, 4) << (8 * torch.arange(4, device=dev))
+        sw = sj.sum(-1)
+        s_rows[r0:r1] = torch.where(sw >= 2**31, sw - 2**32, sw).to(torch.int32)
+    w = w_out.reshape(L, N, KH)
+    return w, s_rows.reshape(L, N, T).transpose(1, 2).contiguous()
+
+
+def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int | torch.Tensor) -> torch.Tensor:
+    """PTX prmt.b32 (default mode, selector nibbles < 8) on int64 tensors holding u32 values."""
+    pool = a | (b << 32)
+    sel = torch.as_tensor(sel, dtype=torch.int64, device=a.device)
+    out = torch.zeros_like(a)
+    for i in range(4):
+        idx = (sel >> (4 * i)) & 7
+        out |= ((pool >> (8 * idx)) & 0xFF) << (8 * i)
+    return out
+
+
+def _bf16x2_to_f32(word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lo, hi = (word & 0xFFFF), (word >> 16) & 0xFFFF
+    as_bf16 = [(h << 16).to(torch.int64).to(torch.int32).view(torch.float32) for h in (lo, hi)]
+    return as_bf16[0], as_bf16[1]
+
+
+def decode_emulated(wp: Sm90Nvfp4Weight) -> torch.Tensor:
+    """Host model of the kernel's register dequantization (device_utils.nvfp4x8_to_bf16x2x4 and
+    e5m3x4_to_bf16x2x4, same bit operations) -> fp32 [L, N, K] = e2m1 x block scale (no global
+    scale). Tests check it equals formats.dequantize_nvfp4 of the original weight."""
+    from cutedsl.kernels import device_utils as du
+
+    L, N, KH = wp.w.shape
+    T = 2 * KH // _BK
+    m32 = 0xFFFFFFFF
+    words = wp.w.reshape(L, N, T, 4, 2, 4).to(torch.int64)  # [.., c, q, byte]
+    w = sum(words[..., i] << (8 * i) for i in range(4))  # [L, N, T, c, q]
+    s = wp.sf.transpose(1, 2).to(torch.int64) & m32  # [L, N, T]
+    zero = torch.zeros_like(s)
+    scale_words = [(_prmt(s, zero, sel) << 4) & m32 for sel in (0x4040, 0x4141, 0x4242, 0x4343)]
+    ha, hb, la, lb = (torch.full_like(w, v) for v in (du.LUT_HI_A, du.LUT_HI_B, du.LUT_LO_A,
+                                                      du.LUT_LO_B))  # fmt: skip
+    out = torch.empty((L, N, T, 4, 2, 4, 2), dtype=torch.float32, device=w.device)  # c q p e
+    for half, sh in ((0, 0), (1, 16)):
+        sel = (w >> sh) & 0x7777
+        h, lo = _prmt(ha, hb, sel), _prmt(la, lb, sel)
+        for k, isel in enumerate((0x5140, 0x7362)):
+            pp = 2 * half + k
+            t = _prmt(lo, h, isel) | (((w << (4 * pp)) & m32) & 0x80008000)
+            a0, a1 = _bf16x2_to_f32(t)
+            for q in range(2):
+                sw = scale_words[2 * q + half][..., None]  # [L, N, T, 1]
+                s0, _ = _bf16x2_to_f32(sw)
+                prod = [(x[..., q] * s0).to(torch.bfloat16).float() for x in (a0, a1)]
+                out[:, :, :, :, q, pp, 0], out[:, :, :, :, q, pp, 1] = prod
+    # [.., c, q, p=(jj, h), e] -> k = 64t + 16(2q + jj) + 8h + 2c + e
+    out = out.reshape(L, N, T, 4, 2, 2, 2, 2).permute(0, 1, 2, 4, 5, 6, 3, 7)
+    return out.reshape(L, N, 2 * KH)
+
+
+def dequantize_prepared(wp: Sm90Nvfp4Weight) -> torch.Tensor:
+    """fp32 [L, N, K] = the weight the kernels multiply by, global scale included (tests)."""
+    return decode_emulated(wp) * wp.gs[:, None, None]
 
 
 # ------------------------------------------------------------------------------ compile cache
@@ -133,12 +240,10 @@ def compile_count() -> int:
 
 
 def _tile_m_for(m: int) -> int:
-    # 256-wide token tiles (128 x 256 CTA tiles) hung on the H200 in the first run (2026-12-02,
-    # not yet understood); they stay out of the heuristic until fixed.
-    for t in (16, 32, 64):
+    for t in (16, 32, 64, 128):
         if m <= t:
             return t
-    return 128
+    return 256
 
 
 def choose_tactic(
@@ -192,6 +297,11 @@ def launch_tactic(m: int, n: int, k: int, groups: int, moe: bool) -> tuple[int, 
     return choose_tactic(m_eff, n, k, groups, moe)
 
 
+def splitk_shape(groups: int, split_k: int, m: int, n: int) -> tuple[int, int, int, int]:
+    """Shape of the fp32 split-K partials of a launch: [L, S, M, N] (summed over S on the host)."""
+    return (groups, split_k, m, n)
+
+
 def _launch(
     a3: torch.Tensor,  # (La, M, K) bf16 contiguous
     wp: Sm90Nvfp4Weight,
@@ -200,35 +310,49 @@ def _launch(
     tactic: tuple[int, int, int] | None,
     workspace: Workspace | None = None,
 ) -> None:
-    """Launch one GEMM. Split-K tactics accumulate in an fp32 (La, M, N) buffer, zeroed per call:
-    the view "splitk" of `workspace` (reserved at warm-up), else a fresh allocation."""
+    """Launch one GEMM. Split-K tactics write fp32 partials [L, S, M, N] (no atomics: the result
+    is bit-identical run to run), summed in a fixed order into the bf16 output: the views
+    "splitk" / "splitk.sum" of `workspace` (reserved at warm-up), else fresh allocations."""
     la, m, k = a3.shape
     moe = offs is not None
     if tactic is None:
         tactic = launch_tactic(m, wp.n, k, wp.groups, moe)
     tile_n, tile_m, split_k = tactic
     if tile_m not in TILE_M_VERIFIED:
-        # H200, 2026-12-02: tile_m 8 gave wrong results and tile_m 24 aborted the process in
-        # cute.compile (bench/results/logs/h200_2026-12-02_test_gemm_sm90_every_tactic_abort.log).
-        raise ValueError(
-            f"tactic {tactic}: tile_m {tile_m} not in {TILE_M_VERIFIED} (verified on H200)"
-        )
+        raise ValueError(f"tactic {tactic}: tile_m {tile_m} not in {TILE_M_VERIFIED}")
     if moe and split_k != 1:
         raise NotImplementedError("split-K with MoE offsets is not wired on the host")
     fn = _compiled(tile_n, tile_m, split_k, moe)
     a_v = a3.permute(1, 2, 0)  # (M, K, La)
     w_v = wp.w.permute(1, 2, 0)  # (N, K/2, L)
-    sf_v = wp.sf.permute(2, 1, 0)  # (N, K/16, L)
+    sf_v = wp.sf.permute(2, 1, 0)  # (N, K/64, L) int32
     offs_t = offs if moe else _dummy_offs(a3.device)
     if split_k == 1:
         fn(a_v, w_v, sf_v, wp.gs, out3.permute(2, 1, 0), offs_t)
+        return
+    shape = splitk_shape(la, split_k, m, wp.n)
+    if workspace is None:
+        part = torch.empty(shape, dtype=torch.float32, device=out3.device)
+        total = torch.empty(out3.shape, dtype=torch.float32, device=out3.device)
     else:
-        if workspace is None:
-            ws = torch.zeros(out3.shape, dtype=torch.float32, device=out3.device)
-        else:
-            ws = workspace.get("splitk", tuple(out3.shape), torch.float32).zero_()
-        fn(a_v, w_v, sf_v, wp.gs, ws.permute(2, 1, 0), offs_t)
-        out3.copy_(ws)
+        part = workspace.get("splitk", shape, torch.float32)
+        total = workspace.get("splitk.sum", tuple(out3.shape), torch.float32)
+    # (N, M, L*S): group l, split s at index l*S + s
+    fn(a_v, w_v, sf_v, wp.gs, part.view(la * split_k, m, wp.n).permute(2, 1, 0), offs_t)
+    torch.sum(part, dim=1, out=total)
+    out3.copy_(total)
+
+
+def splitk_reserve(ws: Workspace, wp: Sm90Nvfp4Weight, max_tokens: int) -> None:
+    """Warm-up: reserve the largest split-K buffers a dense / grouped launch of 1..max_tokens rows
+    uses (views "splitk" and "splitk.sum" of `ws`)."""
+    need = [
+        (m, launch_tactic(m, wp.n, wp.k, wp.groups, False)[2]) for m in range(1, max_tokens + 1)
+    ]
+    need = [(m, s) for m, s in need if s > 1]
+    if need:
+        ws.reserve("splitk", (max(m * s for m, s in need) * wp.groups * wp.n,), torch.float32)
+        ws.reserve("splitk.sum", (wp.groups, max(m for m, _ in need), wp.n), torch.float32)
 
 
 def sm90_nvfp4_gemm_prepared(

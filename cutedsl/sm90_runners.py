@@ -38,11 +38,8 @@ def _tactics(n: int, k: int, groups: int, max_tokens: int, moe: bool) -> set[tup
 
 
 def _reserve_splitk(ws: Workspace, wp: sm90.Sm90Nvfp4Weight, max_tokens: int) -> None:
-    """The largest fp32 split-K buffer a dense / grouped launch of 1..max_tokens rows uses."""
-    rows = [m for m in range(1, max_tokens + 1) if sm90.launch_tactic(m, wp.n, wp.k, wp.groups,
-                                                                      False)[2] > 1]  # fmt: skip
-    if rows:
-        ws.reserve("splitk", (wp.groups, max(rows), wp.n), torch.float32)
+    """The largest fp32 split-K buffers a dense / grouped launch of 1..max_tokens rows uses."""
+    sm90.splitk_reserve(ws, wp, max_tokens)
 
 
 def swiglu_clamp_bf16(

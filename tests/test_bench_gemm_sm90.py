@@ -297,3 +297,17 @@ def test_deepgemm_applies():
     assert B.deepgemm_applies(B.Shape("x", "dense", 96, 4096)) is not None
     assert B.deepgemm_applies(B.Shape("x", "dense", 64, 4096)) is None
     assert all(B.deepgemm_applies(s) is None for m in B.MODELS for s in B.SHAPES[m])
+
+
+def test_candidate_tactics_are_valid_and_start_with_the_heuristic():
+    from cutedsl import sm90 as S
+    from cutedsl.kernels.gemm_sm90 import Sm90Nvfp4W4A16GemmKernel as Kern
+
+    for m, n, k, g, moe in [(1, 1536, 4096, 1, False), (300, 4096, 8192, 1, False),
+                            (16384, 32768, 1024, 1, False), (4, 1024, 4096, 8, False),
+                            (96, 4096, 4096, 256, True)]:  # fmt: skip
+        c = B.candidate_tactics(m, n, k, g, moe)
+        assert c[0] == S.launch_tactic(m, n, k, g, moe) and len(c) == len(set(c)) >= 2
+        for tn, tm, sk in c:
+            assert Kern.can_implement(n, k, tn, sk) and tm in S.TILE_M_VERIFIED
+            assert not moe or sk == 1

@@ -52,24 +52,71 @@ def test_choose_tactic_decode_uses_split_k_and_prefill_big_tiles() -> None:
     tn, tm, sk = S.choose_tactic(1, 1536, 4096, 1)
     assert (tn, tm) == (64, 16) and sk > 1
     assert gemm_sm90.Sm90Nvfp4W4A16GemmKernel.can_implement(1536, 4096, tn, sk)
-    assert S.choose_tactic(16384, 4096, 8192, 1) == (128, 128, 1)
+    assert S.choose_tactic(16384, 4096, 8192, 1) == (128, 256, 1)
+    assert S.choose_tactic(100, 4096, 8192, 1) == (128, 128, 1)
     assert S.choose_tactic(1, 256 * 64, 4096, 1, moe=True)[2] == 1
 
 
-def test_prepare_layout_and_errors() -> None:
+def _special_scales(shape: tuple, gen: torch.Generator, dev: str = "cpu") -> torch.Tensor:
+    """e4m3 codes covering every magnitude 0x00..0x7E (subnormals, zero, the largest), half of
+    them negative (as a checkpoint never has, but the encoding must keep exact)."""
+    mag = torch.randint(0, 0x7F, shape, generator=gen, dtype=torch.int32)
+    sign = torch.randint(0, 2, shape, generator=gen, dtype=torch.int32) << 7
+    return (mag | sign).to(torch.uint8).to(dev).view(torch.float8_e4m3fn)
+
+
+def test_encoding_decodes_exactly_to_the_nvfp4_weight() -> None:
+    """The sm90 weight encoding and the host model of the kernel's register decode (same bit
+    operations as device_utils) give back exactly formats.dequantize_nvfp4 of the original:
+    every e2m1 code, every e4m3 scale magnitude (subnormals and 0 included), negative scales."""
+    gen = torch.Generator().manual_seed(7)
+    groups, n, k = 3, 64, 512
+    packed = torch.randint(0, 256, (groups, n, k // 2), generator=gen, dtype=torch.uint8)
+    sf = _special_scales((groups, n, k // 16), gen)
+    gs = torch.rand(groups, generator=gen) + 0.5
+    wp = S.prepare_nvfp4_weight(packed.reshape(groups * n, -1), sf.reshape(groups * n, -1), gs,
+                                groups=groups)  # fmt: skip
+    assert wp.w.shape == (groups, n, k // 2) and wp.w.dtype == torch.uint8
+    assert wp.sf.shape == (groups, k // 64, n) and wp.sf.dtype == torch.int32
+    want = formats.dequantize_nvfp4(packed, sf, 1.0, torch.float32)
+    got = S.decode_emulated(wp)
+    assert torch.equal(got, want), f"{int((got != want).sum())} weights decode differently"
+    assert torch.equal(S.dequantize_prepared(wp), want * gs[:, None, None])
+
+
+def test_encoding_places_each_lanes_fragment() -> None:
+    """Word (c, q) of a row's 64-wide K tile holds exactly the 8 K positions the PTX wgmma
+    register-A layout gives lane c (k = 16j + 8h + 2c + e, j = 2q, 2q+1): decoding a weight whose
+    only nonzero element is at k finds it in that word."""
+    n, k = 64, 128
+    for kk in range(k):
+        packed = torch.zeros(n, k // 2, dtype=torch.uint8)
+        packed[5, kk // 2] = 0x2 << (4 * (kk % 2))  # e2m1 1.0 at (row 5, kk)
+        sf = torch.full((n, k // 16), 1.0).to(torch.float8_e4m3fn)
+        wp = S.prepare_nvfp4_weight(packed, sf, 1.0)
+        words = wp.w[0, 5].reshape(k // 64, 4, 2, 4)  # [t, c, q, byte]
+        t, j, c = kk // 64, (kk % 64) // 16, (kk % 8) // 2
+        nz = words.nonzero().tolist()
+        assert len(nz) == 1 and nz[0][:3] == [t, c, j // 2], (kk, nz)
+        assert S.decode_emulated(wp)[0, 5, kk] == 1.0 and S.decode_emulated(wp).sum() == 1.0
+
+
+def test_prepare_errors() -> None:
     n, k = 128, 256
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
     sf = (torch.rand(n, k // 16) + 0.1).to(torch.float8_e4m3fn)
     wp = S.prepare_nvfp4_weight(packed, sf, torch.tensor(0.5))
-    assert wp.w.shape == (1, n, k // 2) and wp.sf.shape == (1, k // 16, n)
-    assert torch.equal(wp.sf[0], sf.view(torch.uint8).t())
     assert wp.gs.tolist() == [0.5]
     g = S.prepare_nvfp4_weight(packed, sf, 1.0, groups=2)
-    assert g.groups == 2 and g.n == 64 and torch.equal(g.w[1], packed[64:128])
+    assert g.groups == 2 and g.n == 64 and torch.equal(g.w[1], wp.w[0, 64:])
     with pytest.raises(ValueError, match="b_sf: shape"):
         S.prepare_nvfp4_weight(packed, sf[:, :-1], 1.0)
     with pytest.raises(ValueError, match="N=96"):
         S.prepare_nvfp4_weight(packed[:96], sf[:96], 1.0)
+    bad = sf.clone().view(torch.uint8)
+    bad[3, 2] = 0xFF
+    with pytest.raises(ValueError, match=r"NaN block scale .* \[0, 3, 2\]"):
+        S.prepare_nvfp4_weight(packed, bad.view(torch.float8_e4m3fn), 1.0)
 
 
 # ------------------------------------------------------------------------------------- GPU
@@ -108,6 +155,8 @@ def _poison(shape, dev="cuda") -> torch.Tensor:
 
 DENSE = [  # (name, N, K)
     ("small", 256, 512),
+    ("odd_k_tiles", 256, 320),
+    ("one_k_tile", 128, 64),
     ("flash.fused_wqa_wkv", 1536, 4096),
     ("flash.wq_b", 32768, 1024),
     ("flash.wo_b", 4096, 8192),
@@ -158,6 +207,35 @@ def test_unverified_token_tiles_are_refused(tile_m: int) -> None:
     a = torch.zeros(3, 1024, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=f"tile_m {tile_m} not in"):
         S.sm90_nvfp4_gemm_prepared(a, wp, tactic=(64, tile_m, 1))
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("tactic", [(64, 16, 1), (64, 16, 4), (128, 256, 1)])
+def test_dense_special_scales(tactic) -> None:
+    """Every e4m3 scale magnitude (subnormals, 0, 448) and negative scales, on the device."""
+    n, k, m = 256, 1024, 40
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+    sf = _special_scales((n, k // 16), gen, "cuda")
+    gs = torch.tensor(1e-3, device="cuda")
+    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = _poison((m, n))
+    S.sm90_nvfp4_gemm_prepared(a, wp, out=out, tactic=tactic)
+    _assert_close(out, _ref(a, packed, sf, gs), f"special scales, tactic {tactic}")
+
+
+@pytest.mark.sm90
+def test_split_k_is_deterministic() -> None:
+    """Split-K partials are summed in a fixed order: two calls give bit-identical outputs."""
+    n, k, m = 1536, 4096, 3
+    packed, sf, gs = _rand_weight(1, n, k)
+    wp = S.prepare_nvfp4_weight(packed[0], sf[0], gs[0])
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    assert S.launch_tactic(m, n, k, 1, False)[2] > 1
+    outs = [S.sm90_nvfp4_gemm_prepared(a, wp) for _ in range(5)]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    _assert_close(outs[0], _ref(a, packed[0], sf[0], gs[0]), "split-K")
 
 
 @pytest.mark.sm90

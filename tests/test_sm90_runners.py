@@ -16,7 +16,7 @@ from nvfp4_data import assert_close_to_ref, bf16, fresh_gen, quantized
 from nvfp4_data import no_reserve as _no_reserve
 from nvfp4_data import warm_and_poison as _warm
 
-from cutedsl import formats, reference, sm90, sm90_runners, workspace
+from cutedsl import reference, sm90, sm90_runners, workspace
 from cutedsl.grouped_oproj import Nvfp4GroupedOproj
 from cutedsl.linear import Nvfp4Linear
 from cutedsl.moe import Nvfp4MoE
@@ -38,16 +38,17 @@ def emulated_launch(monkeypatch: pytest.MonkeyPatch) -> list:
     splits: list = []
 
     def launch(a3, wp, out3, offs, tactic, ws=None):
-        sf = wp.sf.transpose(1, 2).view(torch.float8_e4m3fn)  # back to [L, N, K/16]
-        w = formats.dequantize_nvfp4(wp.w, sf, 1.0, torch.float32) * wp.gs[:, None, None]
+        w = sm90.dequantize_prepared(wp)  # [L, N, K] fp32 (host model of the kernel decode)
         if offs is None:
             res = torch.einsum("lmk,lnk->lmn", a3.float(), w)
             tac = tactic or sm90.launch_tactic(a3.shape[1], wp.n, wp.k, wp.groups, False)
             if tac[2] > 1:
                 splits.append((tac, ws is not None))
-                buf = ws.get("splitk", tuple(out3.shape), torch.float32).zero_()
-                buf += res
-                res = buf
+                la, m, n = out3.shape
+                part = ws.get("splitk", sm90.splitk_shape(la, tac[2], m, n), torch.float32)
+                part.copy_((res / tac[2])[:, None].expand(part.shape))
+                res = ws.get("splitk.sum", tuple(out3.shape), torch.float32)
+                torch.sum(part, dim=1, out=res)
             out3.copy_(res)
             return
         o = offs.tolist()

@@ -317,7 +317,8 @@ def new_row(model: str, shape: Shape, m: int) -> dict:
         "us tflops weight_GBps pct_copy_bw cublas_us cublas_tflops cublas_weight_GBps cublas_impl "
         "marlin_us marlin_tflops marlin_weight_GBps deepgemm_us deepgemm_tflops deepgemm_quant_us "
         "deepgemm_total_us deepgemm_rows deepgemm_weight_GBps x_cublas x_marlin x_deepgemm "
-        "x_deepgemm_total ours_error cublas_error marlin_error deepgemm_error"
+        "x_deepgemm_total ours_error cublas_error marlin_error deepgemm_error sweep_us best_tactic "
+        "best_us"
     ).split():
         r[key] = None
     return r
@@ -395,8 +396,36 @@ def _set(rows_by_m: dict[int, dict], ms: list[int], key: str, value) -> None:
         rows_by_m[m][key] = value
 
 
-def bench_ours(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget) -> None:
-    """Time cutedsl.sm90 on `shape` for each m into rows_by_m[m]["us"] (errors into ours_error)."""
+def candidate_tactics(m: int, n: int, k: int, groups: int, moe: bool) -> list[tuple[int, int, int]]:
+    """The heuristic's tactic first, then neighbours worth timing (--sweep): the other tile_n, the
+    next token tile up and down, half / double the K split. All valid for the shape."""
+    from cutedsl import sm90 as S
+    from cutedsl.kernels.gemm_sm90 import Sm90Nvfp4W4A16GemmKernel as Kern
+
+    tn, tm, sk = S.launch_tactic(m, n, k, groups, moe)
+    tiles = list(S.TILE_M_VERIFIED)
+    i = tiles.index(tm)
+    cands = [(tn, tm, sk), (192 - tn, tm, sk)]
+    cands += [(tn, tiles[j], sk if tiles[j] <= 64 else 1) for j in (i - 1, i + 1)
+              if 0 <= j < len(tiles)]  # fmt: skip
+    if not moe:
+        cands += [(tn, tm, max(1, sk // 2)), (tn, tm, sk * 2)]
+    out: list[tuple[int, int, int]] = []
+    for c in cands:
+        kt = k // 64
+        if c in out or not Kern.can_implement(n, k, c[0], c[2]) or kt // c[2] < 2:
+            continue
+        if moe and c[2] != 1:
+            continue
+        out.append(c)
+    return out
+
+
+def bench_ours(
+    shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget, sweep: bool = False
+) -> None:
+    """Time cutedsl.sm90 on `shape` for each m into rows_by_m[m]["us"] (errors into ours_error).
+    With `sweep`, also every `candidate_tactics` into "sweep_us" {tactic: us} and "best_tactic"."""
     try:
         from cutedsl import sm90 as S
 
@@ -424,21 +453,46 @@ def bench_ours(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: 
                 a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
                 w0 = wps[0]
-                fns = [lambda o=o: S.sm90_nvfp4_moe_gemm(a, o, w0, out=out) for o in offs]
-                r["tactic"] = list(S.launch_tactic(rows, n, k, g, True))
+
+                def make(t):
+                    return [lambda o=o: S.sm90_nvfp4_moe_gemm(a, o, w0, out=out, tactic=t)
+                            for o in offs]  # fmt: skip
+
+                tac = S.launch_tactic(rows, n, k, g, True)
             elif shape.kind == "grouped":
                 a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
-                fns = [lambda wp=wp: S.sm90_nvfp4_grouped_gemm(a, wp, out=out) for wp in wps]
-                r["tactic"] = list(S.launch_tactic(m, n, k, g, False))
+
+                def make(t, wps=wps):
+                    return [lambda wp=wp: S.sm90_nvfp4_grouped_gemm(a, wp, out=out, tactic=t)
+                            for wp in wps]  # fmt: skip
+
+                tac = S.launch_tactic(m, n, k, g, False)
             else:
                 a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                fns = [lambda wp=wp: S.sm90_nvfp4_gemm_prepared(a, wp, out=out) for wp in wps]
-                r["tactic"] = list(S.launch_tactic(m, n, k, 1, False))
-            fns[0]()  # compile outside capture
+
+                def make(t, wps=wps):
+                    return [lambda wp=wp: S.sm90_nvfp4_gemm_prepared(a, wp, out=out, tactic=t)
+                            for wp in wps]  # fmt: skip
+
+                tac = S.launch_tactic(m, n, k, 1, False)
+            r["tactic"] = list(tac)
             flops = 2.0 * rows * n * k * (g if shape.kind == "grouped" else 1)
-            r["us"] = round(budget.measure(lambda: _graph_time_us(fns, _reps(flops))), 2)
+            cands = candidate_tactics(rows if shape.kind == "moe" else m, n, k, g,
+                                      shape.kind == "moe") if sweep else [tac]  # fmt: skip
+            times = {}
+            for t in cands:
+                if t != tac and not budget.fits(f"ours {shape.name} M={m} tactic {t}"):
+                    break
+                fns = make(t)
+                fns[0]()  # compile outside capture
+                times[t] = round(budget.measure(lambda: _graph_time_us(fns, _reps(flops))), 2)
+            r["us"] = times[tac]
+            if sweep:
+                r["sweep_us"] = {"x".join(map(str, t)): us for t, us in times.items()}
+                best = min(times, key=times.get)
+                r["best_tactic"], r["best_us"] = list(best), times[best]
         except Exception as e:  # noqa: BLE001
             r["ours_error"] = _err(e)
         print(f"  ours     {shape.name:20s} M={m:6d} us={r['us']} {r['ours_error'] or ''}")
@@ -708,6 +762,8 @@ MD_COLS = [  # (header, key, format); pct_copy_bw only for M <= 32
     ("K", "K", "d"),
     ("tactic", "tactic", "t"),
     ("ours us", "us", ".1f"),
+    ("best tactic (--sweep)", "best_tactic", "t"),
+    ("best us", "best_us", ".1f"),
     ("TF/s", "tflops", ".1f"),
     ("GB/s", "weight_GBps", ".0f"),
     ("% copy BW (M<=32)", "pct_copy_bw", ".1f"),
@@ -795,6 +851,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", default="", help="comma list of shape names to keep (no prefix)")
     p.add_argument("--impls", default="ours,cublas,marlin,deepgemm", help="comma list")
     p.add_argument(
+        "--sweep", action="store_true", help="also time neighbouring tactics of ours (best_tactic)"
+    )
+    p.add_argument(
         "--time-budget",
         type=float,
         default=None,
@@ -869,7 +928,7 @@ def main(argv: list[str] | None = None) -> int:
         rows_by_m = {m: new_row(mdl, shape, m) for m in ms}
         print(f"== {mdl}.{shape.name} {shape}", flush=True)
         if "ours" in impls:
-            bench_ours(shape, ms, rows_by_m, budget)
+            bench_ours(shape, ms, rows_by_m, budget, sweep=args.sweep)
         if "cublas" in impls:
             bench_cublas(shape, ms, rows_by_m, budget)
         if "marlin" in impls:

@@ -5,30 +5,34 @@ Legend: M tokens, N out features, K in features (logical; packed bytes K//2), L 
 
 Math (per group l):  out[l][m, n] = gs[l] * sum_k a[l][m, k] * (e2m1(w[l][n, k]) * sf[l][n, k // 16])
   a   (M, K, L)    bf16, K-major                     activations
-  w   (N, K/2, L)  uint8, K-major, element 2i in the low nibble of byte i
-  sf  (N, K/16, L) uint8 (e4m3 codes), N-major (prepared: cutedsl.sm90.prepare_nvfp4_weight)
+  w   (N, K/2, L)  uint8, K-major, the sm90 weight encoding (cutedsl.sm90 module docstring)
+  sf  (N, K/64, L) int32, N-major, 4 e5m3 block-scale codes per word (same docstring)
   gs  (L,)         fp32 global scale (weight_scale_2), applied in the epilogue
-  out (N, M, L)    bf16 view of a row-major (L, M, N) tensor (split_k == 1), or fp32 with
-                   split_k > 1 (partial sums are added atomically into a zeroed fp32 buffer).
+  out (N, M, L)    bf16 view of a row-major (L, M, N) tensor (split_k == 1), or fp32 partials
+                   (N, M, L*S) of a row-major (L, S, M, N) tensor with split_k = S > 1 (group l,
+                   split s at index l*S + s; the host sums over S: no atomics, deterministic).
 MoE mode (`moe=True`): a is (T, K, 1) with the rows of expert e at [offs[e], offs[e+1]) (offs int32
 (E+1,) on the device), out is (N, T, 1); grid.y covers ceil(T / tile_m) tiles for every expert and
 CTAs past their expert's row count exit at once, so routing never reaches the host.
 
 Swap-AB: the dequantized weights are the WGMMA "A" operand (64 weight rows per warpgroup, the M side
-of the instruction) and the tokens are the "B" operand (the N side, 8..256 wide), so a decode
+of the instruction) and the tokens are the "B" operand (the N side, 16..256 wide), so a decode
 batch of one token wastes nothing but an N=tile_m instruction column block. Accumulators hold
 out^T tiles (tile_n weight rows x tile_m tokens).
 
+Register-A (RS) WGMMA: each thread dequantizes exactly the weights of its own A fragment (2 rows x
+16 K values per 64-wide K tile: two 8-byte words and two scale words from shared memory) straight
+into registers, so dequantized weights never touch shared memory and no barrier separates the
+dequantization from the MMA. The fragments are double-buffered: while the WGMMAs of K tile k run,
+the threads decode tile k+1 into the other fragment.
+
 Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n threads:
   - warp 0 issues TMA loads per 64-wide K tile: bf16 activations (128B-swizzled, WGMMA layout),
-    packed weight bytes (tile_n x 32 B) and scale bytes (4 x tile_n B) into a `stages`-deep ring.
-  - every thread dequantizes 32 weights of its row per K tile (byte-permute LUT, device_utils)
-    into a double-buffered bf16 smem tile in the K-major SW128 layout WGMMA reads, then its
-    warpgroup issues 4 SS-WGMMA (64 x tile_m x 16) and keeps one WGMMA group in flight, so the
-    dequant of tile k+1 overlaps the tensor cores on tile k.
-  - epilogue: acc * gs -> bf16 (or fp32 atomics for split-K), predicated on the token count.
+    encoded weight bytes (tile_n x 32 B) and scale words (tile_n x 4 B) into a `stages` ring.
+  - every warpgroup issues 4 RS-WGMMA (64 x tile_m x 16) per K tile and keeps one group in flight.
+  - epilogue: acc * gs -> bf16 (or fp32 partials for split-K), predicated on the token count.
 
-Compile-time: tile_n (64|128), tile_m (8..256, multiple of 8), split_k, moe, dtypes, stages.
+Compile-time: tile_n (64|128), tile_m (16..256, multiple of 8), split_k, moe, dtypes, stages.
 Runtime: M (or T), the group count and strides, offs, pointers, stream.
 Graph safety: no host sync; the grid depends on M/T, N, split_k and L only.
 Constraints: N % tile_n == 0, K % (64 * split_k) == 0, K % 64 == 0.
@@ -79,9 +83,8 @@ class Sm90Nvfp4W4A16GemmKernel:
 
     @staticmethod
     def _compute_stages(tile_n: int, tile_m: int) -> int:
-        per_stage = tile_m * BK * 2 + tile_n * BK // 2 + tile_n * BK // 16
-        fixed = 2 * tile_n * BK * 2 + 2048
-        return max(2, min(8, (SMEM_CAPACITY - fixed) // per_stage))
+        per_stage = tile_m * BK * 2 + tile_n * BK // 2 + tile_n * 4
+        return max(2, min(8, (SMEM_CAPACITY - 2048) // per_stage))
 
     @staticmethod
     def can_implement(n: int, k: int, tile_n: int, split_k: int) -> bool:
@@ -92,10 +95,10 @@ class Sm90Nvfp4W4A16GemmKernel:
     def __call__(
         self,
         a: cute.Tensor,  # (M, K, L) bf16 K-major; MoE: (T, K, 1)
-        w: cute.Tensor,  # (N, K/2, L) uint8 K-major
-        sf: cute.Tensor,  # (N, K/16, L) uint8 (e4m3 codes) N-major
+        w: cute.Tensor,  # (N, K/2, L) uint8 K-major (sm90 encoding)
+        sf: cute.Tensor,  # (N, K/64, L) int32 N-major (e5m3 x 4)
         gs: cute.Tensor,  # (L,) fp32
-        out: cute.Tensor,  # (N, M, L) bf16|fp32 N-major; MoE: (N, T, 1)
+        out: cute.Tensor,  # (N, M, L) bf16 | (N, M, L*S) fp32, N-major; MoE: (N, T, 1)
         offs: cute.Tensor,  # (E+1,) int32 expert row starts (MoE); ignored otherwise
         stream: cuda.CUstream,
     ):
@@ -109,22 +112,20 @@ class Sm90Nvfp4W4A16GemmKernel:
             cutlass.Float32,
             (self.num_wg, 1, 1),
             tiler_mn=(64, self.tile_m),
+            a_source=cute.nvgpu.warpgroup.OperandSource.RMEM,
         )
         tile_mnk = (self.tile_n, self.tile_m, BK)
-        # Dequantized weights: K-major SW128, double-buffered (MMA operand A).
-        self.sw_layout = sm90_utils.make_smem_layout_a(rowmajor, tile_mnk, cutlass.BFloat16, 2)
         # Activations: K-major SW128 ring (MMA operand B), written by TMA.
         self.sa_layout = sm90_utils.make_smem_layout_b(
             rowmajor, tile_mnk, cutlass.BFloat16, self.stages
         )
-        # Packed weights (row-major bytes) and scales (N-major bytes), plain layouts.
+        # Encoded weights (row-major bytes) and scale words (N-major), plain layouts.
         self.sq_layout = cute.make_layout(
             (self.tile_n, BK // 2, self.stages),
             stride=(BK // 2, 1, self.tile_n * BK // 2),
         )
         self.ss_layout = cute.make_layout(
-            (self.tile_n, BK // 16, self.stages),
-            stride=(1, self.tile_n, self.tile_n * BK // 16),
+            (self.tile_n, 1, self.stages), stride=(1, self.tile_n, self.tile_n)
         )
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_a, mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -134,9 +135,9 @@ class Sm90Nvfp4W4A16GemmKernel:
             g2s, w, cute.slice_(self.sq_layout, (None, None, 0)), (self.tile_n, BK // 2)
         )
         tma_s, mS = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s, sf, cute.slice_(self.ss_layout, (None, None, 0)), (self.tile_n, BK // 16)
+            g2s, sf, cute.slice_(self.ss_layout, (None, None, 0)), (self.tile_n, 1)
         )
-        self.tx_bytes = self.tile_m * BK * 2 + self.tile_n * BK // 2 + self.tile_n * BK // 16
+        self.tx_bytes = self.tile_m * BK * 2 + self.tile_n * BK // 2 + self.tile_n * 4
 
         n_tiles = cute.size(w, mode=[0]) // self.tile_n
         m_tiles = (cute.size(a, mode=[0]) + self.tile_m - 1) // self.tile_m
@@ -150,15 +151,11 @@ class Sm90Nvfp4W4A16GemmKernel:
                 cute.struct.MemRange[cutlass.BFloat16, cute.cosize(self.sa_layout)],
                 self.buffer_align_bytes,
             ]
-            sW: cute.struct.Align[
-                cute.struct.MemRange[cutlass.BFloat16, cute.cosize(self.sw_layout)],
-                self.buffer_align_bytes,
-            ]
             sQ: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Uint8, cute.cosize(self.sq_layout)], 128
             ]
             sS: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Uint8, cute.cosize(self.ss_layout)], 128
+                cute.struct.MemRange[cutlass.Int32, cute.cosize(self.ss_layout)], 128
             ]
 
         self.shared_storage = SharedStorage
@@ -174,7 +171,6 @@ class Sm90Nvfp4W4A16GemmKernel:
             offs,
             self.tiled_mma,
             self.sa_layout,
-            self.sw_layout,
             self.sq_layout,
             self.ss_layout,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
@@ -193,7 +189,6 @@ class Sm90Nvfp4W4A16GemmKernel:
         mOffs: cute.Tensor,
         tiled_mma: cute.TiledMma,
         sa_layout: cute.ComposedLayout,
-        sw_layout: cute.ComposedLayout,
         sq_layout: cute.Layout,
         ss_layout: cute.Layout,
     ):
@@ -235,10 +230,8 @@ class Sm90Nvfp4W4A16GemmKernel:
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             )
             sA = storage.sA.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
-            sW = storage.sW.get_tensor(sw_layout.outer, swizzle=sw_layout.inner)
             sQ = storage.sQ.get_tensor(sq_layout)
             sS = storage.sS.get_tensor(ss_layout)
-            sW_addr = storage.sW.data_ptr().toint()
             sQ_addr = storage.sQ.data_ptr().toint()
             sS_addr = storage.sS.data_ptr().toint()
 
@@ -250,8 +243,8 @@ class Sm90Nvfp4W4A16GemmKernel:
             gA = cute.local_tile(mA_cta, (self.tile_m, BK), (m_tile, None, act_l))
             # (tile_n, BK/2, k_tiles)
             gQ = cute.local_tile(mQ, (self.tile_n, BK // 2), (n_tile, None, grp))
-            # (tile_n, BK/16, k_tiles)
-            gS = cute.local_tile(mS, (self.tile_n, BK // 16), (n_tile, None, grp))
+            # (tile_n, 1, k_tiles)
+            gS = cute.local_tile(mS, (self.tile_n, 1), (n_tile, None, grp))
             tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
                 tma_a,
                 0,
@@ -281,19 +274,25 @@ class Sm90Nvfp4W4A16GemmKernel:
             # ------------------------------------------------------------ MMA partitions
             wg = cute.arch.make_warp_uniform(tidx // 128)
             thr_mma = tiled_mma.get_slice(wg * 128)
-            tCsW = thr_mma.partition_A(sW)  # (MMA, MMA_M, MMA_K, 2)
             tCsA = thr_mma.partition_B(sA)  # (MMA, MMA_N, MMA_K, STAGE)
-            tCrW = tiled_mma.make_fragment_A(tCsW)
             tCrA = tiled_mma.make_fragment_B(tCsA)
-            # The warpgroup slice above addresses the smem operands (WGMMA descriptors); the
-            # accumulator's element -> (weight row, token) map is per thread.
+            # Register A fragments (MMA, 1, 4): double-buffered dequantized weights.
+            a_shape = tiled_mma.partition_shape_A((self.tile_n, BK))
+            frag0 = tiled_mma.make_fragment_A(a_shape)
+            frag1 = tiled_mma.make_fragment_A(a_shape)
             thr_epi = tiled_mma.get_slice(tidx)
             cC = cute.make_identity_tensor((self.tile_n, self.tile_m))
             tCcC = thr_epi.partition_C(cC)  # (MMA, MMA_M, MMA_N)
             acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
             acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            num_kb = cute.size(tCrW, mode=[2])
+
+            # This thread's A-fragment rows (PTX wgmma register layout of A, m64 x k16 per
+            # warpgroup): row0 = 16 * warp + lane / 4 and row0 + 8; lane % 4 picks the K pairs.
+            lane = tidx % 32
+            row0 = wg * 64 + (warp_idx % 4) * 16 + lane // 4
+            q_off = row0 * (BK // 2) + (lane % 4) * 8
+            s_off = row0 * 4
 
             # ------------------------------------------------------------ prologue loads
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -318,68 +317,26 @@ class Sm90Nvfp4W4A16GemmKernel:
             # ------------------------------------------------------------ mainloop
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            row = tidx // 2
-            half = tidx % 2
-            for kt in cutlass.range(k_cnt, unroll=1):
-                wbuf = kt % 2
-                mainloop.consumer_wait(cons)
-                # dequantize 32 weights of `row` (K offset 32*half) into sW[:, :, wbuf]
-                q_base = (
-                    sQ_addr + cons.index * (self.tile_n * BK // 2) + row * (BK // 2) + half * 16
-                )
-                s_base = sS_addr + cons.index * (self.tile_n * BK // 16) + row
-                w_row = sW_addr + wbuf * (self.tile_n * BK * 2) + row * (BK * 2)
-                sc0 = du.e4m3_to_bf16x2(du.ld_shared_u8(s_base + (2 * half) * self.tile_n))
-                sc1 = du.e4m3_to_bf16x2(du.ld_shared_u8(s_base + (2 * half + 1) * self.tile_n))
-                for j in cutlass.range_constexpr(4):
-                    q = du.ld_shared_b32(q_base + 4 * j)
-                    sc = sc0 if j < 2 else sc1
-                    chunk = half * 4 + j
-                    dst = w_row + ((chunk ^ (row % 8)) * 16)
-                    du.st_shared_v4_b32(
-                        dst,
-                        du.fp4x2_to_bf16x2_scaled(q, 0, sc),
-                        du.fp4x2_to_bf16x2_scaled(q, 1, sc),
-                        du.fp4x2_to_bf16x2_scaled(q, 2, sc),
-                        du.fp4x2_to_bf16x2_scaled(q, 3, sc),
-                    )
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=128)
-
-                cute.nvgpu.warpgroup.fence()
-                for kb in cutlass.range_constexpr(num_kb):
-                    cute.gemm(
-                        tiled_mma,
-                        acc,
-                        tCrW[(None, None, kb, wbuf)],
-                        tCrA[(None, None, kb, cons.index)],
-                        acc,
-                    )
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(1)
-                cons.advance()
-                # Refill only after a release: at kt == 0 no stage is free yet, and warp 0 must
-                # not block in producer_acquire before it has released its own share of stage 0
-                # (that deadlocked whenever K tiles outnumbered stages, H200 2026-12-02).
-                if kt > 0:
-                    mainloop.consumer_release(rel)
-                    rel.advance()
-                    if warp_idx == 0 and prod.count < k_cnt:
-                        self._issue_loads(
-                            mainloop,
-                            prod,
-                            k_first,
-                            tma_a,
-                            tAgA,
-                            tAsA,
-                            tma_q,
-                            tQgQ,
-                            tQsQ,
-                            tma_s,
-                            tSgS,
-                            tSsS,
-                        )
-                        prod.advance()
+            mainloop.consumer_wait(cons)
+            self._dequant(frag0, sQ_addr, sS_addr, cons.index, q_off, s_off)
+            # K tiles in pairs so each fragment buffer is a compile-time choice; odd tail last.
+            for kp in cutlass.range(k_cnt // 2, unroll=1):
+                cons, rel, prod = self._step(
+                    2 * kp, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel, prod,
+                    warp_idx, k_first, sQ_addr, sS_addr, q_off, s_off,
+                    tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
+                )  # fmt: skip
+                cons, rel, prod = self._step(
+                    2 * kp + 1, k_cnt, frag1, frag0, acc, tiled_mma, tCrA, mainloop, cons, rel,
+                    prod, warp_idx, k_first, sQ_addr, sS_addr, q_off, s_off,
+                    tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
+                )  # fmt: skip
+            if k_cnt % 2 == 1:
+                cons, rel, prod = self._step(
+                    k_cnt - 1, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel,
+                    prod, warp_idx, k_first, sQ_addr, sS_addr, q_off, s_off,
+                    tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
+                )  # fmt: skip
             cute.nvgpu.warpgroup.wait_group(0)
 
             # ------------------------------------------------------------ epilogue
@@ -387,15 +344,78 @@ class Sm90Nvfp4W4A16GemmKernel:
             mC_cta = mC
             if cutlass.const_expr(self.moe):
                 mC_cta = cute.domain_offset((0, row_start, 0), mC)
-            gC = cute.local_tile(mC_cta, (self.tile_n, self.tile_m), (n_tile, m_tile, act_l))
+            out_l = act_l
+            if cutlass.const_expr(self.split_k > 1):
+                out_l = grp * self.split_k + split
+            gC = cute.local_tile(mC_cta, (self.tile_n, self.tile_m), (n_tile, m_tile, out_l))
             tCgC = thr_epi.partition_C(gC)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 if tCcC[i][1] < rows_left:
-                    v = acc[i] * scale
-                    if cutlass.const_expr(self.split_k == 1):
-                        tCgC[i] = v.to(self.out_dtype)
-                    else:
-                        cute.arch.atomic_add((tCgC.iterator + tCgC.layout(i)).llvm_ptr, v)
+                    tCgC[i] = (acc[i] * scale).to(self.out_dtype)
+
+    @cute.jit
+    def _dequant(self, frag, sQ_addr, sS_addr, stage, q_off, s_off):
+        """Decode this thread's 2 rows x 16 K values of one K tile into the A fragment `frag`."""
+        f32 = cute.recast_tensor(frag, cutlass.Int32)  # (4 regs, 1, 4 k16 blocks)
+        q_base = sQ_addr + stage * (self.tile_n * BK // 2) + q_off
+        s_base = sS_addr + stage * (self.tile_n * 4) + s_off
+        for rr in cutlass.range_constexpr(2):  # rows row0, row0 + 8
+            sw = du.e5m3x4_to_bf16x2x4(du.ld_shared_b32(s_base + rr * 8 * 4))
+            u0, u1 = du.ld_shared_v2_b32(q_base + rr * 8 * (BK // 2))
+            for q, u in ((0, u0), (1, u1)):  # K blocks 2q, 2q + 1
+                w0, w1, w2, w3 = du.nvfp4x8_to_bf16x2x4(u, sw[2 * q], sw[2 * q + 1])
+                # fragment reg (v1 = row + 8, v2 = k + 8) + 4 * k16 block
+                f32[rr + 0 + 4 * (2 * q)] = w0
+                f32[rr + 2 + 4 * (2 * q)] = w1
+                f32[rr + 0 + 4 * (2 * q + 1)] = w2
+                f32[rr + 2 + 4 * (2 * q + 1)] = w3
+
+    @cute.jit
+    def _step(
+        self, kt, k_cnt, frag, frag_next, acc, tiled_mma, tCrA, mainloop, cons, rel, prod,
+        warp_idx, k_first, sQ_addr, sS_addr, q_off, s_off,
+        tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
+    ):  # fmt: skip
+        """K tile kt: WGMMA on `frag` (decoded earlier) and stage cons; once the WGMMAs of tile
+        kt-1 are done, free its stage (refill it) and decode tile kt+1 into `frag_next`. Returns
+        the pipeline states (the caller rebinds them: they are loop-carried values)."""
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(BK // 16):
+            cute.gemm(
+                tiled_mma,
+                acc,
+                frag[(None, None, kb)],
+                tCrA[(None, None, kb, cons.index)],
+                acc,
+            )
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(1)  # tile kt-1 done: frag_next and its stage are free
+        # Refill only after a release: at kt == 0 no stage is free yet, and warp 0 must not
+        # block in producer_acquire before it has released its own share of the stage.
+        if kt > 0:
+            mainloop.consumer_release(rel)
+            rel.advance()
+            if warp_idx == 0 and prod.count < k_cnt:
+                self._issue_loads(
+                    mainloop,
+                    prod,
+                    k_first,
+                    tma_a,
+                    tAgA,
+                    tAsA,
+                    tma_q,
+                    tQgQ,
+                    tQsQ,
+                    tma_s,
+                    tSgS,
+                    tSsS,
+                )
+                prod.advance()
+        cons.advance()
+        if kt + 1 < k_cnt:
+            mainloop.consumer_wait(cons)
+            self._dequant(frag_next, sQ_addr, sS_addr, cons.index, q_off, s_off)
+        return cons, rel, prod
 
     @cute.jit
     def _issue_loads(
@@ -420,7 +440,7 @@ def fake_operands(moe: bool, out_dtype: type[cutlass.Numeric] = cutlass.BFloat16
     n = s32(divisibility=64, symbol="N")
     k = s32(divisibility=BK, symbol="K")
     kh = s32(divisibility=BK // 2, symbol="K2")
-    ks = s32(divisibility=BK // 16, symbol="K16")
+    kt = s32(symbol="K64")
     g = s32(symbol="L")
     la = 1 if moe else g
     a = make_fake_compact_tensor(
@@ -430,10 +450,11 @@ def fake_operands(moe: bool, out_dtype: type[cutlass.Numeric] = cutlass.BFloat16
         cutlass.Uint8, (n, kh, g), stride_order=(1, 0, 2), assumed_align=16
     )
     sf = make_fake_compact_tensor(
-        cutlass.Uint8, (n, ks, g), stride_order=(0, 1, 2), assumed_align=16
+        cutlass.Int32, (n, kt, g), stride_order=(0, 1, 2), assumed_align=16
     )
     gs = make_fake_compact_tensor(cutlass.Float32, (g,), assumed_align=4)
-    out = make_fake_compact_tensor(out_dtype, (n, m, la), stride_order=(0, 1, 2), assumed_align=16)
+    lo = s32(symbol="LO")  # L (bf16 out) or L * split_k (fp32 partials)
+    out = make_fake_compact_tensor(out_dtype, (n, m, lo), stride_order=(0, 1, 2), assumed_align=16)
     offs = make_fake_compact_tensor(cutlass.Int32, (s32(symbol="E1"),), assumed_align=4)
     return a, w, sf, gs, out, offs, make_fake_stream(use_tvm_ffi_env_stream=True)
 
