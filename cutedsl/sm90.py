@@ -280,16 +280,6 @@ def _check_a(a: torch.Tensor, k: int, name: str = "a") -> None:
         raise ValueError(f"{name}: must be contiguous (row-major, K innermost)")
 
 
-_DUMMY: dict[torch.device, torch.Tensor] = {}
-
-
-def _dummy_offs(device: torch.device) -> torch.Tensor:
-    t = _DUMMY.get(device)
-    if t is None:
-        t = _DUMMY[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return t
-
-
 def launch_tactic(m: int, n: int, k: int, groups: int, moe: bool) -> tuple[int, int, int]:
     """The tactic a launch of m rows uses when none is forced (what `warmup` must compile).
     MoE: rows per expert are unknown on the host; size tiles for 2x the uniform share."""
@@ -298,8 +288,24 @@ def launch_tactic(m: int, n: int, k: int, groups: int, moe: bool) -> tuple[int, 
 
 
 def splitk_shape(groups: int, split_k: int, m: int, n: int) -> tuple[int, int, int, int]:
-    """Shape of the fp32 split-K partials of a launch: [L, S, M, N] (summed over S on the host)."""
+    """Shape of the fp32 split-K partials of a launch: [L, S, M, N]."""
     return (groups, split_k, m, n)
+
+
+def splitk_counters(groups: int, m: int, n: int, tile_n: int, tile_m: int) -> int:
+    """Number of int32 split-K tile counters a launch needs: L x m_tiles x n_tiles."""
+    return groups * (-(-m // tile_m)) * (n // tile_n)
+
+
+_DUMMY: dict[tuple, torch.Tensor] = {}
+
+
+def _dummy(device: torch.device, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    key = (device, shape, dtype)
+    t = _DUMMY.get(key)
+    if t is None:
+        t = _DUMMY[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return t
 
 
 def _launch(
@@ -310,9 +316,9 @@ def _launch(
     tactic: tuple[int, int, int] | None,
     workspace: Workspace | None = None,
 ) -> None:
-    """Launch one GEMM. Split-K tactics write fp32 partials [L, S, M, N] (no atomics: the result
-    is bit-identical run to run), summed in a fixed order into the bf16 output: the views
-    "splitk" / "splitk.sum" of `workspace` (reserved at warm-up), else fresh allocations."""
+    """Launch one GEMM. Split-K tactics need fp32 partials [L, S, M, N] and zeroed int32 tile
+    counters (the kernel sums the partials in split order and leaves the counters zero): the
+    views "splitk" / "splitk.sem" of `workspace` (reserved at warm-up), else fresh allocations."""
     la, m, k = a3.shape
     moe = offs is not None
     if tactic is None:
@@ -323,36 +329,38 @@ def _launch(
     if moe and split_k != 1:
         raise NotImplementedError("split-K with MoE offsets is not wired on the host")
     fn = _compiled(tile_n, tile_m, split_k, moe)
+    dev = a3.device
     a_v = a3.permute(1, 2, 0)  # (M, K, La)
     w_v = wp.w.permute(1, 2, 0)  # (N, K/2, L)
     sf_v = wp.sf.permute(2, 1, 0)  # (N, K/64, L) int32
-    offs_t = offs if moe else _dummy_offs(a3.device)
+    offs_t = offs if moe else _dummy(dev, (1,), torch.int32)
     if split_k == 1:
-        fn(a_v, w_v, sf_v, wp.gs, out3.permute(2, 1, 0), offs_t)
-        return
-    shape = splitk_shape(la, split_k, m, wp.n)
-    if workspace is None:
-        part = torch.empty(shape, dtype=torch.float32, device=out3.device)
-        total = torch.empty(out3.shape, dtype=torch.float32, device=out3.device)
+        part, sem = _dummy(dev, (1, 1, 1), torch.float32), _dummy(dev, (1,), torch.int32)
     else:
-        part = workspace.get("splitk", shape, torch.float32)
-        total = workspace.get("splitk.sum", tuple(out3.shape), torch.float32)
-    # (N, M, L*S): group l, split s at index l*S + s
-    fn(a_v, w_v, sf_v, wp.gs, part.view(la * split_k, m, wp.n).permute(2, 1, 0), offs_t)
-    torch.sum(part, dim=1, out=total)
-    out3.copy_(total)
+        shape = splitk_shape(la, split_k, m, wp.n)
+        n_sem = splitk_counters(la, m, wp.n, tile_n, tile_m)
+        if workspace is None:
+            part = torch.empty(shape, dtype=torch.float32, device=dev)
+            sem = torch.zeros(n_sem, dtype=torch.int32, device=dev)
+        else:
+            part = workspace.get("splitk", shape, torch.float32)
+            sem = workspace.get("splitk.sem", (n_sem,), torch.int32)
+        part = part.view(la * split_k, m, wp.n).permute(2, 1, 0)  # (N, M, L*S)
+    fn(a_v, w_v, sf_v, wp.gs, out3.permute(2, 1, 0), part, sem, offs_t)
 
 
 def splitk_reserve(ws: Workspace, wp: Sm90Nvfp4Weight, max_tokens: int) -> None:
-    """Warm-up: reserve the largest split-K buffers a dense / grouped launch of 1..max_tokens rows
-    uses (views "splitk" and "splitk.sum" of `ws`)."""
-    need = [
-        (m, launch_tactic(m, wp.n, wp.k, wp.groups, False)[2]) for m in range(1, max_tokens + 1)
-    ]
-    need = [(m, s) for m, s in need if s > 1]
+    """Warm-up: reserve the largest split-K scratch a dense / grouped launch of 1..max_tokens rows
+    uses (views "splitk" and "splitk.sem" of `ws`); the counters are zeroed here, once."""
+    need = []
+    for m in range(1, max_tokens + 1):
+        tn, tm, sk = launch_tactic(m, wp.n, wp.k, wp.groups, False)
+        if sk > 1:
+            need.append((m * sk, splitk_counters(wp.groups, m, wp.n, tn, tm)))
     if need:
-        ws.reserve("splitk", (max(m * s for m, s in need) * wp.groups * wp.n,), torch.float32)
-        ws.reserve("splitk.sum", (wp.groups, max(m for m, _ in need), wp.n), torch.float32)
+        ws.reserve("splitk", (max(r for r, _ in need) * wp.groups * wp.n,), torch.float32)
+        ws.reserve("splitk.sem", (max(c for _, c in need),), torch.int32)
+        ws.get("splitk.sem", (ws.reserved("splitk.sem") // 4,), torch.int32).zero_()
 
 
 def sm90_nvfp4_gemm_prepared(

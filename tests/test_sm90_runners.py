@@ -30,7 +30,7 @@ LIMIT = 10.0
 def emulated_launch(monkeypatch: pytest.MonkeyPatch) -> list:
     """`sm90._launch` as torch: out3[l] = a3[l] · dequant(wp[l])ᵀ (dense / groups), or per expert
     rows [offs[e], offs[e+1]) of a3[0] (MoE); rows outside the experts are left untouched.
-    Split-K tactics go through the fp32 "splitk" view of the workspace. `sm90.warmup` records
+    Split-K tactics fetch the "splitk" / "splitk.sem" views of the workspace. `sm90.warmup` records
     the tactics instead of compiling; the shared workspaces start empty. Returns the split-K
     launches seen (tactic, workspace given)."""
     monkeypatch.setattr(workspace, "_SHARED", {})
@@ -44,11 +44,10 @@ def emulated_launch(monkeypatch: pytest.MonkeyPatch) -> list:
             tac = tactic or sm90.launch_tactic(a3.shape[1], wp.n, wp.k, wp.groups, False)
             if tac[2] > 1:
                 splits.append((tac, ws is not None))
-                la, m, n = out3.shape
-                part = ws.get("splitk", sm90.splitk_shape(la, tac[2], m, n), torch.float32)
-                part.copy_((res / tac[2])[:, None].expand(part.shape))
-                res = ws.get("splitk.sum", tuple(out3.shape), torch.float32)
-                torch.sum(part, dim=1, out=res)
+                la, m, n = out3.shape  # the kernel's scratch must be reserved: fetch it
+                ws.get("splitk", sm90.splitk_shape(la, tac[2], m, n), torch.float32)
+                sem = ws.get("splitk.sem", (sm90.splitk_counters(la, m, n, *tac[:2]),), torch.int32)
+                assert not sem.any(), "split-K counters must start at zero"
             out3.copy_(res)
             return
         o = offs.tolist()
@@ -104,8 +103,9 @@ def test_grouped_oproj_run_rotates_into_the_workspace(emulated_launch, monkeypat
     r.backend, r._impl = "sm90", sm90_runners.grouped_oproj_impl(r)  # the sm90 glue, emulated
     r.warmup(8)
     for ws in (workspace.for_role(torch.device("cpu"), "main"),):
-        for b in ws._bufs.values():
-            b.fill_(0xFF)
+        for name, b in ws._bufs.items():
+            if not name.endswith(".sem"):  # split-K counters are state, not scratch
+                b.fill_(0xFF)
     theta = torch.rand(50, 32, generator=g) * 6.28
     cache = torch.cat([theta.cos(), theta.sin()], dim=-1)
     for t in (3, 8):

@@ -8,9 +8,11 @@ Math (per group l):  out[l][m, n] = gs[l] * sum_k a[l][m, k] * (e2m1(w[l][n, k])
   w   (N, K/2, L)  uint8, K-major, the sm90 weight encoding (cutedsl.sm90 module docstring)
   sf  (N, K/64, L) int32, N-major, 4 e5m3 block-scale codes per word (same docstring)
   gs  (L,)         fp32 global scale (weight_scale_2), applied in the epilogue
-  out (N, M, L)    bf16 view of a row-major (L, M, N) tensor (split_k == 1), or fp32 partials
-                   (N, M, L*S) of a row-major (L, S, M, N) tensor with split_k = S > 1 (group l,
-                   split s at index l*S + s; the host sums over S: no atomics, deterministic).
+  out (N, M, L)    bf16 view of a row-major (L, M, N) tensor
+  part, sem        split_k = S > 1 only: fp32 partials (N, M, L*S) of a row-major (L, S, M, N)
+                   scratch (group l, split s at index l*S + s) and int32 per-tile counters, zeroed
+                   once (the kernel leaves them zero): the last split of a tile sums the partials
+                   in split order (deterministic) and writes `out` (no atomics on the data).
 MoE mode (`moe=True`): a is (T, K, 1) with the rows of expert e at [offs[e], offs[e+1]) (offs int32
 (E+1,) on the device), out is (N, T, 1); grid.y covers ceil(T / tile_m) tiles for every expert and
 CTAs past their expert's row count exit at once, so routing never reaches the host.
@@ -30,7 +32,7 @@ Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n thre
   - warp 0 issues TMA loads per 64-wide K tile: bf16 activations (128B-swizzled, WGMMA layout),
     encoded weight bytes (tile_n x 32 B) and scale words (tile_n x 4 B) into a `stages` ring.
   - every warpgroup issues 4 RS-WGMMA (64 x tile_m x 16) per K tile and keeps one group in flight.
-  - epilogue: acc * gs -> bf16 (or fp32 partials for split-K), predicated on the token count.
+  - epilogue: acc * gs -> bf16, predicated on the token count (split-K: see `_splitk_fixup`).
 
 Compile-time: tile_n (64|128), tile_m (16..256, multiple of 8), split_k, moe, dtypes, stages.
 Runtime: M (or T), the group count and strides, offs, pointers, stream.
@@ -98,7 +100,9 @@ class Sm90Nvfp4W4A16GemmKernel:
         w: cute.Tensor,  # (N, K/2, L) uint8 K-major (sm90 encoding)
         sf: cute.Tensor,  # (N, K/64, L) int32 N-major (e5m3 x 4)
         gs: cute.Tensor,  # (L,) fp32
-        out: cute.Tensor,  # (N, M, L) bf16 | (N, M, L*S) fp32, N-major; MoE: (N, T, 1)
+        out: cute.Tensor,  # (N, M, L) bf16, N-major; MoE: (N, T, 1)
+        part: cute.Tensor,  # (N, M, L*S) fp32 split-K partials, N-major; ignored if S == 1
+        sem: cute.Tensor,  # (L * m_tiles * n_tiles,) int32 zeroed split-K counters; ditto
         offs: cute.Tensor,  # (E+1,) int32 expert row starts (MoE); ignored otherwise
         stream: cuda.CUstream,
     ):
@@ -157,6 +161,7 @@ class Sm90Nvfp4W4A16GemmKernel:
             sS: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Int32, cute.cosize(self.ss_layout)], 128
             ]
+            last: cute.struct.MemRange[cutlass.Int32, 4]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -168,6 +173,8 @@ class Sm90Nvfp4W4A16GemmKernel:
             mS,
             gs,
             out,
+            part,
+            sem,
             offs,
             self.tiled_mma,
             self.sa_layout,
@@ -186,6 +193,8 @@ class Sm90Nvfp4W4A16GemmKernel:
         mS: cute.Tensor,
         mGS: cute.Tensor,
         mC: cute.Tensor,
+        mP: cute.Tensor,
+        mSem: cute.Tensor,
         mOffs: cute.Tensor,
         tiled_mma: cute.TiledMma,
         sa_layout: cute.ComposedLayout,
@@ -344,14 +353,62 @@ class Sm90Nvfp4W4A16GemmKernel:
             mC_cta = mC
             if cutlass.const_expr(self.moe):
                 mC_cta = cute.domain_offset((0, row_start, 0), mC)
-            out_l = act_l
-            if cutlass.const_expr(self.split_k > 1):
-                out_l = grp * self.split_k + split
-            gC = cute.local_tile(mC_cta, (self.tile_n, self.tile_m), (n_tile, m_tile, out_l))
+            gC = cute.local_tile(mC_cta, (self.tile_n, self.tile_m), (n_tile, m_tile, act_l))
             tCgC = thr_epi.partition_C(gC)
+            if cutlass.const_expr(self.split_k == 1):
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    if tCcC[i][1] < rows_left:
+                        tCgC[i] = (acc[i] * scale).to(self.out_dtype)
+            else:
+                self._splitk_fixup(
+                    acc, tCcC, tCgC, rows_left, scale, mP, mSem, thr_epi, storage, tidx,
+                    n_tile, m_tile, grp, split, cute.size(mA, mode=[0]), cute.size(mQ, mode=[0]),
+                )  # fmt: skip
+
+    @cute.jit
+    def _splitk_fixup(
+        self, acc, tCcC, tCgC, rows_left, scale, mP, mSem, thr_epi, storage, tidx,
+        n_tile, m_tile, grp, split, m_total, n_total,
+    ):  # fmt: skip
+        """Split-K without atomics on the data: every split stores its fp32 partial tile; the
+        last split to arrive at the tile's counter (gpu-scope acq_rel atomic) sums the S partials
+        in split order, so the result is bit-identical whichever CTA is last, writes bf16 and
+        resets the counter to 0 for the next launch."""
+        S = self.split_k
+        parts = [
+            thr_epi.partition_C(
+                cute.local_tile(mP, (self.tile_n, self.tile_m), (n_tile, m_tile, grp * S + s))
+            )
+            for s in range(S)
+        ]
+        mine = thr_epi.partition_C(
+            cute.local_tile(mP, (self.tile_n, self.tile_m), (n_tile, m_tile, grp * S + split))
+        )
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            if tCcC[i][1] < rows_left:
+                mine[i] = acc[i]
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()
+        flag = storage.last.get_tensor(cute.make_layout(4))
+        if tidx == 0:
+            m_tiles = (m_total + self.tile_m - 1) // self.tile_m
+            idx = (grp * m_tiles + m_tile) * (n_total // self.tile_n) + n_tile
+            old = cute.arch.atomic_add(
+                (mSem.iterator + idx).llvm_ptr, cutlass.Int32(1), sem="acq_rel", scope="gpu"
+            )
+            flag[0] = cutlass.Int32(0)
+            if old == S - 1:
+                flag[0] = cutlass.Int32(1)
+                mSem[idx] = cutlass.Int32(0)
+        cute.arch.barrier()
+        if flag[0] != 0:
+            cute.arch.fence_acq_rel_gpu()
             for i in cutlass.range_constexpr(cute.size(acc)):
                 if tCcC[i][1] < rows_left:
-                    tCgC[i] = (acc[i] * scale).to(self.out_dtype)
+                    tot = parts[0][i]
+                    for s in cutlass.range_constexpr(1, S):
+                        tot = tot + parts[s][i]
+                    tCgC[i] = (tot * scale).to(self.out_dtype)
 
     @cute.jit
     def _dequant(self, frag, sQ_addr, sS_addr, stage, q_off, s_off):
@@ -433,8 +490,8 @@ class Sm90Nvfp4W4A16GemmKernel:
 # ------------------------------------------------------------------------------ fake tensors
 
 
-def fake_operands(moe: bool, out_dtype: type[cutlass.Numeric] = cutlass.BFloat16):
-    """Fake (a, w, sf, gs, out, offs, stream) with dynamic M/T, N, K and group count, for compile."""
+def fake_operands(moe: bool):
+    """Fake (a, w, sf, gs, out, part, sem, offs, stream): dynamic M/T, N, K and group count."""
     s32 = cute.sym_int32
     m = s32(symbol="M")
     n = s32(divisibility=64, symbol="N")
@@ -453,10 +510,16 @@ def fake_operands(moe: bool, out_dtype: type[cutlass.Numeric] = cutlass.BFloat16
         cutlass.Int32, (n, kt, g), stride_order=(0, 1, 2), assumed_align=16
     )
     gs = make_fake_compact_tensor(cutlass.Float32, (g,), assumed_align=4)
-    lo = s32(symbol="LO")  # L (bf16 out) or L * split_k (fp32 partials)
-    out = make_fake_compact_tensor(out_dtype, (n, m, lo), stride_order=(0, 1, 2), assumed_align=16)
+    out = make_fake_compact_tensor(
+        cutlass.BFloat16, (n, m, la), stride_order=(0, 1, 2), assumed_align=16
+    )
+    mp, lp = s32(symbol="MP"), s32(symbol="LP")  # partials: (N, M, L*S), or a dummy if S == 1
+    part = make_fake_compact_tensor(
+        cutlass.Float32, (s32(symbol="NP"), mp, lp), stride_order=(0, 1, 2), assumed_align=16
+    )
+    sem = make_fake_compact_tensor(cutlass.Int32, (s32(symbol="NS"),), assumed_align=4)
     offs = make_fake_compact_tensor(cutlass.Int32, (s32(symbol="E1"),), assumed_align=4)
-    return a, w, sf, gs, out, offs, make_fake_stream(use_tvm_ffi_env_stream=True)
+    return a, w, sf, gs, out, part, sem, offs, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 def compile_kernel(
@@ -464,20 +527,22 @@ def compile_kernel(
 ) -> object:
     """cute.compile one variant from fake tensors (TVM-FFI, env stream)."""
     kernel = Sm90Nvfp4W4A16GemmKernel(tile_n=tile_n, tile_m=tile_m, split_k=split_k, moe=moe)
-    out_dtype = cutlass.BFloat16 if split_k == 1 else cutlass.Float32
-    args = fake_operands(moe, out_dtype)
+    args = fake_operands(moe)
     kw = {"no_jit_engine": True} if no_jit_engine else {}
     return cute.compile(kernel, *args, options="--enable-tvm-ffi", **kw)
 
 
 def check_targets() -> list[KernelTarget]:
-    """One target per variant: dense/grouped (same kernel, L groups), split-K, MoE offsets."""
+    """One target per variant: dense/grouped (same kernel, L groups), split-K, MoE offsets. Every
+    one must show register-A WGMMA (HGMMA reading an R operand), the prmt decode and TMA; split-K
+    also the counter atomic and its gpu-scope fences."""
     variants = [
-        ("sm90.w4a16_gemm.grouped.n128m128", 128, 128, 1, False),
-        ("sm90.w4a16_gemm.grouped.n64m16", 64, 16, 1, False),
-        ("sm90.w4a16_gemm.grouped.splitk4", 64, 16, 4, False),
-        ("sm90.w4a16_gemm.moe_offs.n128m64", 128, 64, 1, True),
-    ]
+        ("sm90.w4a16_gemm.grouped.n128m256", 128, 256, 1, False, ()),
+        ("sm90.w4a16_gemm.grouped.n64m16", 64, 16, 1, False, ()),
+        ("sm90.w4a16_gemm.grouped.splitk4", 64, 16, 4, False,
+         (r"atom\.global\.acq_rel\.add", r"fence\.acq_rel\.gpu")),
+        ("sm90.w4a16_gemm.moe_offs.n128m64", 128, 64, 1, True, ()),
+    ]  # fmt: skip
     return [
         KernelTarget(
             name=name,
@@ -487,8 +552,8 @@ def check_targets() -> list[KernelTarget]:
                     tn, tm, sk, moe, no_jit_engine=True
                 )
             ),
-            ptx_patterns=(r"wgmma\.mma_async", r"prmt\.b32", r"cp\.async\.bulk\.tensor"),
-            sass_patterns=(r"HGMMA",),
+            ptx_patterns=(r"wgmma\.mma_async", r"prmt\.b32", r"cp\.async\.bulk\.tensor", *extra),
+            sass_patterns=(r"HGMMA\.64x\d+x16\.F32\.BF16 R\d+, R\d+, gdesc",),
         )
-        for name, tn, tm, sk, moe in variants
+        for name, tn, tm, sk, moe, extra in variants
     ]

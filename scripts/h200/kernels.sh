@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the H200, one call (~9 min), issues 5 and 7: the SM90 kernel / runner / routing GPU tests, then
+# the SM90 GEMM benchmark (every model, every M of the issue) and, with the time left, the tactic
+# sweep on the Flash shapes. Results: $OUT/kernels.tgz (JUnit XML, logs, bench JSON/MD) + summary.
+#   LIMIT=560 bash scripts/h200/kernels.sh
+set -u
+. "$(dirname "$0")/env.sh"
+LIMIT=${LIMIT:-560}
+TESTS=${TESTS:-"tests/test_gemm_sm90.py tests/test_runners_gpu.py tests/test_sharding.py $(ls tests/test_moe_routing*.py 2>/dev/null)"}
+device_info
+cd "$REPO"
+step gpu_tests "${TEST_LIMIT:-260}" python3 -m pytest -q -m "gpu or sm90" -p no:cacheprovider \
+    --junitxml="$R/gpu_tests.xml" $TESTS
+tail -n 15 "$R/gpu_tests.log"
+left=$((LIMIT - SECONDS - 20))
+if [ $left -gt 60 ]; then
+    step bench_gemm $((left + 10)) python3 -m cutedsl.bench.gemm_sm90 --model all \
+        --time-budget $((left * 7 / 10)) --json "$R/sm90_gemm.json" --md "$R/sm90_gemm.md"
+    tail -n 2 "$R/bench_gemm.log"
+fi
+left=$((LIMIT - SECONDS - 20))
+if [ $left -gt 40 ]; then
+    step bench_sweep $((left + 10)) python3 -m cutedsl.bench.gemm_sm90 --model flash --sweep \
+        --impls ours --ms 1,16,64,256,1024,16384 --time-budget $((left - 15)) \
+        --json "$R/sm90_gemm_sweep.json" --md "$R/sm90_gemm_sweep.md"
+fi
+cp "$R/sm90_gemm.md" "$OUT/" 2>/dev/null
+bundle kernels
