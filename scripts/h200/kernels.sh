@@ -15,7 +15,7 @@ tail -n 15 "$R/gpu_tests.log"
 left=$((LIMIT - SECONDS - 20))
 if [ $left -gt 60 ]; then
     step bench_gemm $((left + 10)) python3 -m cutedsl.bench.gemm_sm90 --model all \
-        --time-budget $((left * 7 / 10)) --json "$R/sm90_gemm.json" --md "$R/sm90_gemm.md"
+        --time-budget $((left * ${BENCH_SHARE:-70} / 100)) --json "$R/sm90_gemm.json" --md "$R/sm90_gemm.md"
     tail -n 2 "$R/bench_gemm.log"
 fi
 left=$((LIMIT - SECONDS - 20))
