@@ -249,21 +249,26 @@ def _tile_m_for(m: int) -> int:
 def choose_tactic(
     m: int, n: int, k: int, groups: int, moe: bool = False, num_sms: int = _NUM_SMS_H200
 ) -> tuple[int, int, int]:
-    """(tile_n, tile_m, split_k) heuristic. Decode sizes get tile_n 64 and split-K until the
-    grid covers about two waves of SMs; larger M gets 128 x 128 tiles."""
+    """(tile_n, tile_m, split_k) heuristic, from the H200 bench and sweep of 2026-12-02
+    (bench/results/h200_2026-12-02_session3/):
+    - token tile: the smallest of 16/32/64/128 covering m, else 256;
+    - weight tile 64 rows for tile_m <= 32, else 128; a 128 x 256 grid under half the SMs
+      switches to 64 x 256 (N = 1536, M = 256..1024: 35 vs 48 us);
+    - split-K (deterministic, in-kernel) for tile_m <= 128 while the grid is under two waves and
+      every split keeps >= 8 K tiles (more splits measured slower); never with tile_m 256 (the
+      split epilogue spills at 255 registers there) nor for the MoE."""
     tile_m = _tile_m_for(m)
+    m_tiles = -(-m // tile_m)
     tile_n = 64 if tile_m <= 32 else 128
     if n % tile_n:
         tile_n = 64
+    if tile_m == 256 and (n // 128) * m_tiles * groups * 2 < num_sms:
+        tile_n = 64
     split_k = 1
-    if not moe and tile_m <= 64:
-        ctas = (n // tile_n) * ((m + tile_m - 1) // tile_m) * groups
+    if not moe and tile_m <= 128:
+        ctas = (n // tile_n) * m_tiles * groups
         kt = k // _BK
-        while (
-            ctas * split_k * 2 <= 2 * num_sms
-            and kt % (split_k * 2) == 0
-            and kt // (split_k * 2) >= 4
-        ):
+        while ctas * split_k < 2 * num_sms and kt % (split_k * 2) == 0 and kt // (split_k * 2) >= 8:
             split_k *= 2
     return tile_n, tile_m, split_k
 
