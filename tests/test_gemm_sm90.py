@@ -304,8 +304,9 @@ def _moe_case(e: int, n: int, k: int, counts: list[int]):
         [3, 0, 129, 1, 0, 64, 127, 7],  # empty experts, tile edges
         [0, 0, 0, 300, 0, 0, 0, 0],  # all tokens on one expert
         [1, 1, 1, 1, 1, 1, 1, 1],
+        [0, 5, 2000, 0, 0, 0, 0, 1],  # hot expert: each CTA loops over several m tiles
     ],
-    ids=["mixed_empty", "all_on_one", "one_each"],
+    ids=["mixed_empty", "all_on_one", "one_each", "hot_expert"],
 )
 def test_moe_offsets(counts: list[int]) -> None:
     wp, offs, a, ref = _moe_case(8, 256, 512, counts)

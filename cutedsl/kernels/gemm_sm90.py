@@ -146,6 +146,11 @@ class Sm90Nvfp4W4A16GemmKernel:
         n_tiles = cute.size(w, mode=[0]) // self.tile_n
         m_tiles = (cute.size(a, mode=[0]) + self.tile_m - 1) // self.tile_m
         groups = cute.size(w, mode=[2])
+        if cutlass.const_expr(self.moe):
+            # Token tiles per expert are unknown on the host: grid.y covers twice the uniform
+            # share (+1) and each CTA loops over m tiles y, y + grid.y, ... of its expert, so a
+            # hot expert (all T rows) is still covered without launching T/tile_m CTAs per expert.
+            m_tiles = cutlass.min(m_tiles, (2 * m_tiles + groups - 1) // groups + 1)
         grid = (n_tiles, m_tiles, groups * self.split_k)
 
         @cute.struct
@@ -217,9 +222,13 @@ class Sm90Nvfp4W4A16GemmKernel:
             row_start = mOffs[grp]
             rows = mOffs[grp + 1] - row_start
             act_l = 0
-        rows_left = rows - m_tile * self.tile_m
+        n_mt = m_tile + 1  # dense / grouped: one m tile per CTA
+        y_step = 1
+        if cutlass.const_expr(self.moe):
+            n_mt = (rows + self.tile_m - 1) // self.tile_m
+            y_step = cute.arch.grid_dim()[1]
 
-        if rows_left > 0:
+        if m_tile < n_mt:
             if warp_idx == 0:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
@@ -248,19 +257,10 @@ class Sm90Nvfp4W4A16GemmKernel:
             mA_cta = mA
             if cutlass.const_expr(self.moe):
                 mA_cta = cute.domain_offset((row_start, 0, 0), mA)
-            # (tile_m, BK, k_tiles)
-            gA = cute.local_tile(mA_cta, (self.tile_m, BK), (m_tile, None, act_l))
             # (tile_n, BK/2, k_tiles)
             gQ = cute.local_tile(mQ, (self.tile_n, BK // 2), (n_tile, None, grp))
             # (tile_n, 1, k_tiles)
             gS = cute.local_tile(mS, (self.tile_n, 1), (n_tile, None, grp))
-            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_a,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sA, 0, 2),
-                cute.group_modes(gA, 0, 2),
-            )
             tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(
                 tma_q,
                 0,
@@ -293,7 +293,6 @@ class Sm90Nvfp4W4A16GemmKernel:
             cC = cute.make_identity_tensor((self.tile_n, self.tile_m))
             tCcC = thr_epi.partition_C(cC)  # (MMA, MMA_M, MMA_N)
             acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
-            acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
             # This thread's A-fragment rows (PTX wgmma register layout of A, m64 x k16 per
@@ -303,67 +302,86 @@ class Sm90Nvfp4W4A16GemmKernel:
             q_off = row0 * (BK // 2) + (lane % 4) * 8
             s_off = row0 * 4
 
-            # ------------------------------------------------------------ prologue loads
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-            if warp_idx == 0:
-                for _ in cutlass.range(cutlass.min(self.stages, k_cnt), unroll=1):
-                    self._issue_loads(
-                        mainloop,
-                        prod,
-                        k_first,
-                        tma_a,
-                        tAgA,
-                        tAsA,
-                        tma_q,
-                        tQgQ,
-                        tQsQ,
-                        tma_s,
-                        tSgS,
-                        tSsS,
-                    )
-                    prod.advance()
-
-            # ------------------------------------------------------------ mainloop
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            mainloop.consumer_wait(cons)
-            self._dequant(frag0, sQ_addr, sS_addr, cons.index, q_off, s_off)
-            # K tiles in pairs so each fragment buffer is a compile-time choice; odd tail last.
-            for kp in cutlass.range(k_cnt // 2, unroll=1):
-                cons, rel, prod = self._step(
-                    2 * kp, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel, prod,
-                    warp_idx, k_first, sQ_addr, sS_addr, q_off, s_off,
-                    tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
-                )  # fmt: skip
-                cons, rel, prod = self._step(
-                    2 * kp + 1, k_cnt, frag1, frag0, acc, tiled_mma, tCrA, mainloop, cons, rel,
-                    prod, warp_idx, k_first, sQ_addr, sS_addr, q_off, s_off,
-                    tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
-                )  # fmt: skip
-            if k_cnt % 2 == 1:
-                cons, rel, prod = self._step(
-                    k_cnt - 1, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel,
-                    prod, warp_idx, k_first, sQ_addr, sS_addr, q_off, s_off,
-                    tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
-                )  # fmt: skip
-            cute.nvgpu.warpgroup.wait_group(0)
+            for m_tile in cutlass.range(bidy, n_mt, y_step, unroll=1):
+                rows_left = rows - m_tile * self.tile_m
+                # (tile_m, BK, k_tiles)
+                gA = cute.local_tile(mA_cta, (self.tile_m, BK), (m_tile, None, act_l))
+                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                    tma_a,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sA, 0, 2),
+                    cute.group_modes(gA, 0, 2),
+                )
+                acc.fill(0.0)
+                # The producer's count runs on across m tiles: K tile = count - (count at start).
+                k_off = k_first - prod.count
+                k_end = prod.count + k_cnt
+                # ------------------------------------------------------------ prologue loads
+                if warp_idx == 0:
+                    for _ in cutlass.range(cutlass.min(self.stages, k_cnt), unroll=1):
+                        self._issue_loads(
+                            mainloop,
+                            prod,
+                            k_off,
+                            tma_a,
+                            tAgA,
+                            tAsA,
+                            tma_q,
+                            tQgQ,
+                            tQsQ,
+                            tma_s,
+                            tSgS,
+                            tSsS,
+                        )
+                        prod.advance()
 
-            # ------------------------------------------------------------ epilogue
-            scale = mGS[grp]
-            mC_cta = mC
-            if cutlass.const_expr(self.moe):
-                mC_cta = cute.domain_offset((0, row_start, 0), mC)
-            gC = cute.local_tile(mC_cta, (self.tile_n, self.tile_m), (n_tile, m_tile, act_l))
-            tCgC = thr_epi.partition_C(gC)
-            if cutlass.const_expr(self.split_k == 1):
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    if tCcC[i][1] < rows_left:
-                        tCgC[i] = (acc[i] * scale).to(self.out_dtype)
-            else:
-                self._splitk_fixup(
-                    acc, tCcC, tCgC, rows_left, scale, mP, mSem, thr_epi, storage, tidx,
-                    n_tile, m_tile, grp, split, cute.size(mA, mode=[0]), cute.size(mQ, mode=[0]),
-                )  # fmt: skip
+                # ------------------------------------------------------------ mainloop
+                mainloop.consumer_wait(cons)
+                self._dequant(frag0, sQ_addr, sS_addr, cons.index, q_off, s_off)
+                # K tiles in pairs so each fragment buffer is a compile-time choice; odd tail last.
+                for kp in cutlass.range(k_cnt // 2, unroll=1):
+                    cons, rel, prod = self._step(
+                        2 * kp, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel, prod,
+                        warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
+                        tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
+                    )  # fmt: skip
+                    cons, rel, prod = self._step(
+                        2 * kp + 1, k_cnt, frag1, frag0, acc, tiled_mma, tCrA, mainloop, cons, rel,
+                        prod, warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
+                        tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
+                    )  # fmt: skip
+                if k_cnt % 2 == 1:
+                    cons, rel, prod = self._step(
+                        k_cnt - 1, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel,
+                        prod, warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
+                        tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
+                    )  # fmt: skip
+                cute.nvgpu.warpgroup.wait_group(0)
+                mainloop.consumer_release(
+                    rel
+                )  # the last K tile's stage (the next m tile refills it)
+                rel.advance()
+
+                # ------------------------------------------------------------ epilogue
+                scale = mGS[grp]
+                mC_cta = mC
+                if cutlass.const_expr(self.moe):
+                    mC_cta = cute.domain_offset((0, row_start, 0), mC)
+                gC = cute.local_tile(mC_cta, (self.tile_n, self.tile_m), (n_tile, m_tile, act_l))
+                tCgC = thr_epi.partition_C(gC)
+                if cutlass.const_expr(self.split_k == 1):
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        if tCcC[i][1] < rows_left:
+                            tCgC[i] = (acc[i] * scale).to(self.out_dtype)
+                else:
+                    self._splitk_fixup(
+                        acc, tCcC, tCgC, rows_left, scale, mP, mSem, thr_epi, storage, tidx,
+                        n_tile, m_tile, grp, split, cute.size(mA, mode=[0]), cute.size(mQ, mode=[0]),
+                    )  # fmt: skip
 
     @cute.jit
     def _splitk_fixup(
@@ -430,7 +448,7 @@ class Sm90Nvfp4W4A16GemmKernel:
     @cute.jit
     def _step(
         self, kt, k_cnt, frag, frag_next, acc, tiled_mma, tCrA, mainloop, cons, rel, prod,
-        warp_idx, k_first, sQ_addr, sS_addr, q_off, s_off,
+        warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
         tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
     ):  # fmt: skip
         """K tile kt: WGMMA on `frag` (decoded earlier) and stage cons; once the WGMMAs of tile
@@ -452,11 +470,11 @@ class Sm90Nvfp4W4A16GemmKernel:
         if kt > 0:
             mainloop.consumer_release(rel)
             rel.advance()
-            if warp_idx == 0 and prod.count < k_cnt:
+            if warp_idx == 0 and prod.count < k_end:
                 self._issue_loads(
                     mainloop,
                     prod,
-                    k_first,
+                    k_off,
                     tma_a,
                     tAgA,
                     tAsA,
@@ -476,10 +494,10 @@ class Sm90Nvfp4W4A16GemmKernel:
 
     @cute.jit
     def _issue_loads(
-        self, mainloop, prod, k_first, tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS
+        self, mainloop, prod, k_off, tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS
     ):
         mainloop.producer_acquire(prod)
-        k = k_first + prod.count
+        k = k_off + prod.count  # global K tile index
         bar = mainloop.producer_get_barrier(prod)
         cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
         cute.copy(tma_q, tQgQ[(None, k)], tQsQ[(None, prod.index)], tma_bar_ptr=bar)
