@@ -11,11 +11,13 @@ branch. The only allocations are the op results (a linear's / the shared MLP's [
 grouped o-proj's [T, G, R]: a torch.library custom op returns new tensors; inside a CUDA graph
 they come from the graph's private pool) and a copy of a non-contiguous input. Every
 intermediate (split-K fp32 buffers, the o-proj's per-group operand and output, routing buffers,
-the gathered MoE rows, h, the SwiGLU result and its fp32 scratch, y, the combine accumulator) is
-a view of the workspace fetched per call; a call with more rows than warmed up raises
-`cutedsl.workspace.WorkspaceError`. Kernel operands keep the layouts the kernels were validated
-with (contiguous, same strides). Not yet met: torch.sort in `cutedsl.moe.route` allocates once
-per MoE call inside torch (measured on the H200, 2026-12-02; see route()).
+the gathered MoE rows, h, the SwiGLU result and its fp32 scratch, y) is a view of the workspace
+fetched per call; a call with more rows than warmed up raises `cutedsl.workspace.WorkspaceError`.
+Kernel operands keep the layouts the kernels were validated with (contiguous, same strides).
+The routed experts allocate nothing: routing and the weighted combine are our CuTeDSL kernels
+(`cutedsl.moe.route` / `combine`, `cutedsl.kernels.moe_routing`; torch.sort and the fp32
+`index_add_` are gone), and the combine sums each token's topk contributions in slot order
+without atomics, so the MoE output is the same bit for bit on every run.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from cutedsl import sm90
-from cutedsl.moe import route, route_reserve
+from cutedsl.moe import combine, route, route_reserve, warmup_kernels
 from cutedsl.workspace import Workspace, for_role
 
 # Rows per chunk of the fp32 scratch of the SwiGLU and the MoE combine (bounds that scratch to
@@ -159,47 +161,39 @@ class _MoE:
         ws = for_role(self.device, "main")
         m, topk = topk_ids.shape
         t, hid = m * topk, self.wp2.n
-        acc = ws.get("moe.acc", (m, hid), torch.float32)  # first: a too-large M fails early
-        order, offs, valid = route(topk_ids, self.e, ws)
-        tok = ws.get("moe.tok", (t,), torch.int64)
-        torch.floor_divide(order, topk, out=tok)  # token of each sorted row
+        res = ws.get("moe.out", (m, hid), torch.bfloat16)  # first: a too-large M fails early
+        offs, tok, inv = route(topk_ids, self.e, ws)
         a = ws.get("a", (t, hid), torch.bfloat16)
         torch.index_select(x, 0, tok, out=a)  # [M·topk, H], rows grouped by expert
         h = ws.get("h", (t, self.wp13.n), torch.bfloat16)
         sm90.sm90_nvfp4_moe_gemm(a, offs, self.wp13, out=h)
         s = _swiglu(ws, h, self.limit)
         y = ws.get("a", (t, hid), torch.bfloat16)  # a is dead: y reuses its memory
+        # Rows past offs[E] (non-local assignments) are not written: combine never reads them.
         sm90.sm90_nvfp4_moe_gemm(s, offs, self.wp2, out=y)
-        # Rows past offs[E] (non-local assignments) are not written by the kernel: mask them.
-        w = ws.get("moe.w", (t,), torch.float32)
-        torch.take(topk_weights, order, out=w)
-        torch.logical_not(valid, out=valid)  # valid now marks the non-local rows
-        acc.zero_()
-        c = min(t, CHUNK)
-        prod = ws.get("f32", (c, hid), torch.float32)
-        for r0 in range(0, t, c):
-            r1 = min(t, r0 + c)
-            p = prod[: r1 - r0]
-            p.copy_(y[r0:r1])
-            p.mul_(w[r0:r1, None])
-            p.masked_fill_(valid[r0:r1, None], 0.0)
-            acc.index_add_(0, tok[r0:r1], p)
-        out.copy_(acc)
+        w = topk_weights
+        if not w.is_contiguous():
+            w = ws.get("moe.w", (m, topk), torch.float32)
+            w.copy_(topk_weights)
+        direct = out.is_contiguous() and out.data_ptr() % 16 == 0
+        combine(y, inv, w, out if direct else res)
+        if not direct:
+            out.copy_(res)
 
     def warmup(self, max_tokens: int) -> None:
         t = set()
         for wp in (self.wp13, self.wp2):
             t |= _tactics(wp.n, wp.k, self.e, max_tokens * MAX_TOPK, True)
         sm90.warmup(sorted(t))
+        if self.device.type == "cuda":
+            warmup_kernels()
         ws = for_role(self.device, "main")
         rows, hid = max_tokens * MAX_TOPK, self.wp2.n
         route_reserve(ws, rows, self.e)
-        ws.reserve("moe.tok", (rows,), torch.int64)
         ws.reserve("moe.w", (rows,), torch.float32)
-        ws.reserve("moe.acc", (max_tokens, hid), torch.float32)
+        ws.reserve("moe.out", (max_tokens, hid), torch.bfloat16)
         ws.reserve("a", (rows, hid), torch.bfloat16)
         _mlp_reserve(ws, rows, self.wp2.k)
-        ws.reserve("f32", (min(rows, CHUNK), hid), torch.float32)
 
 
 # The factories `Runner._make_impl` looks up by the runner's kind.

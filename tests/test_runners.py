@@ -228,14 +228,21 @@ def test_route_groups_assignments_by_expert(gen: torch.Generator) -> None:
     from cutedsl.moe import route
 
     e, m, k = 5, 13, 3
-    ids = torch.randint(-1, e, (m, k), generator=gen).int()
+    ids = torch.randint(-1, e + 2, (m, k), generator=gen).int()  # e, e+1: not local either
     ids[0] = torch.tensor([4, 4, -1])  # duplicates and non-local in one row
-    order, offs, valid = route(ids, e)
-    flat = ids.reshape(-1).long()
-    assert sorted(order.tolist()) == list(range(m * k))
-    for x in range(e):
-        rows = order[offs[x] : offs[x + 1]]
-        assert (flat[rows] == x).all() and rows.tolist() == sorted(rows.tolist())  # stable
-    assert int(offs[-1]) == int((flat >= 0).sum())
-    assert (flat[order[int(offs[-1]) :]] == -1).all()
-    assert valid.tolist() == [i < int(offs[-1]) for i in range(m * k)]
+    offs, tok, inv = route(ids, e)
+    assert offs.dtype == tok.dtype == inv.dtype == torch.int32 and inv.shape == (k, m)
+    local = (ids >= 0) & (ids < e)
+    n = int(local.sum())
+    rows = [int(inv[s, t]) for t in range(m) for s in range(k) if local[t, s]]
+    assert sorted(rows) == list(range(n))  # every local assignment: one row of its own
+    assert (inv.T[~local] == -1).all()
+    for t in range(m):
+        for s in range(k):
+            if local[t, s]:
+                r = int(inv[s, t])
+                assert int(offs[ids[t, s]]) <= r < int(offs[ids[t, s] + 1]) and tok[r] == t
+    assert int(offs[0]) == 0 and int(offs[-1]) == n
+    assert torch.equal(offs.diff(), torch.bincount(ids[local].long(), minlength=e).int())
+    # the non-local rows: the tokens of the non-local assignments, each once
+    assert sorted(tok[n:].tolist()) == sorted(torch.nonzero(~local)[:, 0].tolist())

@@ -190,12 +190,13 @@ def test_moe(emulated_launch, monkeypatch, case: str) -> None:
         assert_close_to_ref(out, reference.nvfp4_moe_ref(x, ids, tw, *w13, *w2, LIMIT))
     m = max_m + 1
     ids = torch.zeros(m, k, dtype=torch.int32)
-    with pytest.raises(WorkspaceError, match=r"main/moe\.acc: needs .* reserved"):
+    with pytest.raises(WorkspaceError, match=r"main/moe\.out: needs .* reserved"):
         impl(bf16(m, h, gen=g), ids, torch.rand(m, k), torch.empty(m, h, dtype=torch.bfloat16))
 
 
 def test_route_into_workspace_matches_fresh() -> None:
-    """route() with a reserved workspace returns the same (order, offs, valid) as without."""
+    """route() with a reserved (poisoned) workspace returns the same (offs, tok, inv) as without,
+    for int32 and int64 ids; the CPU order is stable (assignment order inside an expert)."""
     from cutedsl.moe import route, route_reserve
 
     g = fresh_gen()
@@ -205,11 +206,38 @@ def test_route_into_workspace_matches_fresh() -> None:
     route_reserve(ws, 2 * m * k, e)
     for b in ws._bufs.values():
         b.fill_(0xFF)
-    got, want = route(ids, e, ws), route(ids, e)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    want = route(ids, e)
+    for got in (route(ids, e, ws), route(ids.long(), e, ws)):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
     flat = ids.reshape(-1).long()
     key = torch.where(flat >= 0, flat, e)
-    assert torch.equal(got[0], torch.sort(key, stable=True).indices)
+    order = torch.sort(key, stable=True).indices
+    assert torch.equal(want[1].long(), order // k)
     counts = torch.bincount(key, minlength=e + 1)
-    assert got[1].tolist() == [0, *torch.cumsum(counts[:e], 0).tolist()]
+    assert want[0].tolist() == [0, *torch.cumsum(counts[:e], 0).tolist()]
+    row = torch.empty_like(order)
+    row[order] = torch.arange(m * k)
+    assert torch.equal(want[2].T.reshape(-1).long(), torch.where(flat >= 0, row, -1))
+
+
+def test_moe_strided_operands(emulated_launch, monkeypatch) -> None:
+    """int64 ids, non-contiguous topk_weights and a non-contiguous `out`: the copies go through
+    the reserved workspace ("route.ids", "moe.w", "moe.out"), the result is unchanged."""
+    g = fresh_gen()
+    e, h, i, k, m = 4, 128, 64, 2, 5
+    w13, w2 = quantized(e, 2 * i, h, gen=g, scale=0.5), quantized(e, h, i, gen=g, scale=0.3)
+    r = Nvfp4MoE(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="reference")
+    impl = sm90_runners.moe_impl(r)
+    _warm(impl, m)
+    x = bf16(m, h, gen=g, scale=2.0)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
+    ids[1, 1] = -1
+    tw = torch.rand(k, m, generator=g).T  # [m, k], not contiguous
+    out = torch.full((h, m), float("nan"), dtype=torch.bfloat16).T  # [m, h], not contiguous
+    with _no_reserve(monkeypatch):
+        impl(x, ids.long(), tw, out)
+    assert_close_to_ref(out, reference.nvfp4_moe_ref(x, ids, tw, *w13, *w2, LIMIT))
+    ref = torch.full((m, h), float("nan"), dtype=torch.bfloat16)
+    impl(x, ids, tw.contiguous(), ref)
+    assert torch.equal(out, ref)
