@@ -5,7 +5,12 @@ agreement (the metric of bench/upstream_baseline.py). vLLM computes in bf16 (plu
 cache), so this is a floor for how close any vLLM run can get to the fp32 golden.
 
     python bench/golden_precision_floor.py [--ckpt DIR | --format nvfp4] [--prompt-len 300]
-        [--seed 1] [--device cpu] [--out FILE.json]
+        [--seed 1] [--model-seed 0] [--router-gain G] [--expert-shared R] [--device cpu]
+        [--out FILE.json]
+
+--router-gain / --expert-shared: the tiny generator's conditioning knobs (defaults: its
+DEFAULT_ROUTER_GAIN / DEFAULT_EXPERT_SHARED; 1 and 0 give the unconditioned model), used only
+when the checkpoint is generated here.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", default=None, help="default: generate the tiny preset (seed 0)")
     ap.add_argument("--format", default="nvfp4")
     ap.add_argument("--prompt-len", type=int, default=300)
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1, help="prompt seed")
+    ap.add_argument("--model-seed", type=int, default=0, help="seed of the generated model")
+    ap.add_argument("--router-gain", type=float, default=None)
+    ap.add_argument("--expert-shared", type=float, default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
@@ -35,13 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from cutedsl.golden import golden_logits, load_model, logprob_cosine
-    from cutedsl.tools.tiny_model import generate
+    from cutedsl.tools.tiny_model import DEFAULT_EXPERT_SHARED, DEFAULT_ROUTER_GAIN, generate
+
+    if a.router_gain is None:
+        a.router_gain = DEFAULT_ROUTER_GAIN
+    if a.expert_shared is None:
+        a.expert_shared = DEFAULT_EXPERT_SHARED
 
     tmp = None
     if a.ckpt is None:
         tmp = tempfile.TemporaryDirectory()
         a.ckpt = os.path.join(tmp.name, "tiny")
-        generate(a.ckpt, a.format, "native", "tiny", seed=0, device=a.device)
+        generate(
+            a.ckpt, a.format, "native", "tiny", seed=a.model_seed, device=a.device,
+            router_gain=a.router_gain, expert_shared=a.expert_shared,
+        )  # fmt: skip
     vocab = json.load(open(os.path.join(a.ckpt, "config.json")))["vocab_size"]
     g = torch.Generator().manual_seed(a.seed)
     ids = torch.randint(2, vocab, (a.prompt_len,), generator=g).tolist()
@@ -57,11 +73,18 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": a.device,
         "torch": torch.__version__,
-        "checkpoint": a.ckpt if tmp is None else f"generated: tiny preset, {a.format}, seed 0",
+        "checkpoint": a.ckpt
+        if tmp is None
+        else (
+            f"generated: tiny preset, {a.format}, seed {a.model_seed}, "
+            f"router_gain {a.router_gain}, expert_shared {a.expert_shared}"
+        ),
+        "prompt_seed": a.seed,
         "positions": len(ids),
         "cos_min": float(cos.min()),
         "cos_mean": float(cos.mean()),
         "positions_below_0.99": int((cos < 0.99).sum()),
+        "positions_below_0.995": int((cos < 0.995).sum()),
         "greedy_agree": float((x.argmax(-1) == y.argmax(-1)).double().mean()),
         "cos": [round(float(v), 5) for v in cos],
     }

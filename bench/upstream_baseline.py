@@ -442,6 +442,12 @@ def main() -> int:
             force=True,
         )
         result["generate_s"] = round(time.time() - t0, 1)
+        from cutedsl.tools.tiny_model import DEFAULT_EXPERT_SHARED, DEFAULT_ROUTER_GAIN
+
+        result["conditioning"] = {
+            "router_gain": DEFAULT_ROUTER_GAIN,
+            "expert_shared": DEFAULT_EXPERT_SHARED,
+        }
     cfg = json.load(open(os.path.join(args.ckpt, "config.json")))
     result["checkpoint"] = {
         "path": args.ckpt,

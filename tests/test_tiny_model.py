@@ -287,6 +287,46 @@ def test_deterministic_seeded_and_format_consistent(micro, tmp_path):
     )
 
 
+def test_conditioning_knobs_router_gain_and_expert_shared():
+    """router_gain scales only ffn.gate; expert_shared makes a layer's routed experts correlated by
+    r (same per-weight std), other layers' experts independent; 1 / 0 is the plain N(0, 1/K)."""
+    cfg = TM.make_config("tiny", "native", MICRO)
+    specs = {s.name: s for s in TM.tensor_specs(cfg)}
+    gate, e0, e1 = (specs[f"layers.2.ffn.{n}"] for n in ("gate", "experts.0.w1", "experts.1.w1"))
+    other, wq = specs["layers.3.ffn.experts.0.w1"], specs["layers.2.attn.wq_b"]
+    plain = dict(router_gain=1.0, expert_shared=0.0)
+
+    def m(s, **kw):
+        return TM.master_tensor(s, cfg, 3, **kw)
+
+    H = cfg["hidden_size"]
+    assert float(m(gate, **plain).std() * H**0.5) == pytest.approx(1.0, rel=0.05)
+    assert torch.allclose(m(gate), m(gate, **plain) * TM.DEFAULT_ROUTER_GAIN)
+    assert torch.equal(m(wq), m(wq, **plain))  # only the router and the experts change
+    assert torch.equal(
+        m(specs["layers.2.ffn.gate.bias"]), m(specs["layers.2.ffn.gate.bias"], **plain)
+    )
+
+    def corr(a, b):
+        return float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])
+
+    r = TM.DEFAULT_EXPERT_SHARED
+    a, b = m(e0), m(e1)
+    assert corr(a, b) == pytest.approx(r, abs=0.02)  # same layer: the common base
+    assert abs(corr(a, m(other))) < 0.02  # another layer: independent
+    assert float(a.std() * H**0.5) == pytest.approx(1.0, rel=0.05)
+    assert abs(corr(m(e0, **plain), m(e1, **plain))) < 0.02
+    # own part of the conditioned expert is the plain master (one generator per name).
+    assert torch.allclose(
+        a, (1 - r) ** 0.5 * m(e0, **plain) + r**0.5 * m(TM.Spec("layers.2.ffn.experts.base.w1",
+        e0.shape, "linear"), **plain), atol=1e-6,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="expert_shared"):
+        m(e0, expert_shared=1.0)
+    with pytest.raises(ValueError, match="router_gain"):
+        m(gate, router_gain=0.0)
+
+
 def test_generation_failure_leaves_nothing(tmp_path):
     out = tmp_path / "ckpt"
     cfg = TM.make_config("tiny", "bf16", MICRO)

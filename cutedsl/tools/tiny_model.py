@@ -2,7 +2,7 @@
 
     python -m cutedsl.tools.tiny_model OUT [--format native|native-fp8|nvfp4|nvidia-mixed|bf16]
         [--names native|hf] [--preset tiny|flash-layers] [--layers N] [--seed N]
-        [--config JSON] [--device cpu|cuda] [--force] [--list]
+        [--config JSON] [--device cpu|cuda] [--router-gain G] [--expert-shared R] [--force] [--list]
 
 Formats (what each quantizable projection is stored as; everything else is identical):
   native        FP8 block-128 e4m3 + e8m0 `.scale` for attention, indexer.wq_b and shared expert;
@@ -23,7 +23,24 @@ All formats derive from the same BF16 master weights (per-tensor generator seede
 to quantization error. Fused pairs (wq_a+wkv, w1+w3) share one NVFP4 global scale.
 Weights: N(0, 1/K) projections (unit gain), N(0, 1) embedding, norms 1 + N(0, 0.1^2),
 hc_fn N(0, 0.25^2 / 4H), small random mHC bases/scales, sinks, gate bias and ape, so that a
-swapped or dropped tensor changes the logits. `input_scale` is not calibrated: a fixed
+swapped or dropped tensor changes the logits.
+
+Conditioning for numerical comparison (every preset and format; the masters are shared): the
+score-routed MoE layers pick top-k experts from continuous router scores, and in a random model
+the k-th and (k+1)-th scores are often within bf16 noise, so a bf16 run (vLLM, or HF in bf16)
+flips one expert at a few positions and those positions' logits jump (issue #8; diagnosis in
+bench/results/cpu_2026-12-02_conditioning/). Two knobs bound that, both realistic for trained
+MoEs (sharper routers, experts that share a common component):
+  router_gain (DEFAULT_ROUTER_GAIN): ffn.gate is N(0, gain^2 / H), router logits of std ~gain, so
+      sqrtsoftplus scores sit away from its flat offset near 0 and top-k margins are larger
+      relative to bf16 rounding (about half the flips at 4 vs 1). gate.bias stays N(0, 0.05^2)
+      (scaling it with the gain, 0.2, was tried: 2 of 1200 positions fell to 0.9948).
+  expert_shared (DEFAULT_EXPERT_SHARED): variance fraction r of each routed expert projection
+      that is common to the layer's experts: w = sqrt(1-r) * own + sqrt(r) * base, base seeded
+      from `layers.L.ffn.experts.base.wX`; same per-weight std. Swapping two experts then moves
+      the output by sqrt(1-r) of an unrelated swap (0.5 at 0.75), so a residual flip costs
+      ~4x less in 1 - cosine. Experts still differ (half their amplitude is their own).
+router_gain=1, expert_shared=0 give the unconditioned model. `input_scale` is not calibrated: a fixed
 activation amax of DEFAULT_INPUT_AMAX.
 
 Output: OUT/config.json, generation_config.json, model-0000i-of-0000n.safetensors (shards of at
@@ -54,6 +71,8 @@ __all__ = [
     "PRESETS",
     "FORMATS",
     "DEFAULT_INPUT_AMAX",
+    "DEFAULT_ROUTER_GAIN",
+    "DEFAULT_EXPERT_SHARED",
     "Spec",
     "make_config",
     "make_config_like",
@@ -70,6 +89,8 @@ __all__ = [
 
 FORMATS = ("native", "native-fp8", "nvfp4", "nvidia-mixed", "bf16")
 DEFAULT_INPUT_AMAX = 32.0
+DEFAULT_ROUTER_GAIN = 4.0  # std of the router logits (ffn.gate gain); see the module docstring
+DEFAULT_EXPERT_SHARED = 0.75  # variance fraction of routed experts common to a layer
 
 _BASE = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -481,13 +502,29 @@ def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
     return g
 
 
+def _expert_base_name(name: str) -> str:
+    """`layers.L.ffn.experts.E.wX` -> `layers.L.ffn.experts.base.wX` (the layer's common part)."""
+    parts = name.split(".")
+    return ".".join(parts[:4] + ["base", parts[5]])
+
+
 def master_tensor(
-    spec: Spec, cfg: dict, seed: int, device: str | torch.device = "cpu"
+    spec: Spec,
+    cfg: dict,
+    seed: int,
+    device: str | torch.device = "cpu",
+    router_gain: float = DEFAULT_ROUTER_GAIN,
+    expert_shared: float = DEFAULT_EXPERT_SHARED,
 ) -> torch.Tensor:
     """The deterministic master value of a spec (fp32 for linears/f32 kinds, else its dtype).
 
-    Depends only on (seed, spec.name, shape), not on generation order or format.
+    Depends only on (seed, spec.name, shape) and the conditioning knobs (router_gain,
+    expert_shared: module docstring), not on generation order or format.
     """
+    if not 0.0 <= expert_shared < 1.0:
+        raise ValueError(f"expert_shared={expert_shared}, expected 0 <= r < 1")
+    if not router_gain > 0.0:
+        raise ValueError(f"router_gain={router_gain}, expected > 0")
     dev = torch.device(device)
     g = _generator(seed, spec.name, dev)
 
@@ -495,6 +532,14 @@ def master_tensor(
         return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32)
 
     k = spec.kind
+    if k == "linear" and spec.role == "expert" and expert_shared > 0.0:
+        own = randn(*spec.shape)
+        gb = _generator(seed, _expert_base_name(spec.name), dev)
+        base = torch.randn(*spec.shape, generator=gb, device=dev, dtype=torch.float32)
+        w = math.sqrt(1.0 - expert_shared) * own + math.sqrt(expert_shared) * base
+        return w / math.sqrt(spec.shape[-1])
+    if k == "bf16_linear" and spec.name.endswith(".ffn.gate"):
+        return randn(*spec.shape) * (router_gain / math.sqrt(spec.shape[-1]))
     if k in ("linear", "bf16_linear", "head"):
         return randn(*spec.shape) / math.sqrt(spec.shape[-1])
     if k == "embed":
@@ -557,10 +602,19 @@ def encode_linear(
 
 
 def _iter_tensors(
-    cfg: dict, fmt: str, seed: int, device: torch.device, progress: bool
+    cfg: dict,
+    fmt: str,
+    seed: int,
+    device: torch.device,
+    progress: bool,
+    router_gain: float = DEFAULT_ROUTER_GAIN,
+    expert_shared: float = DEFAULT_EXPERT_SHARED,
 ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """Yield (layer or -1, {native name: CPU tensor}) spec by spec."""
     from tqdm import tqdm
+
+    def master(s: Spec) -> torch.Tensor:
+        return master_tensor(s, cfg, seed, device, router_gain, expert_shared)
 
     specs = tensor_specs(cfg)
     groups = _fused_partners(specs) if fmt in ("nvfp4", "nvidia-mixed") else {}
@@ -570,7 +624,7 @@ def _iter_tensors(
         layer = int(s.name.split(".")[1]) if s.name.startswith("layers.") else -1
         m = cache.pop(s.name, None)
         if m is None:
-            m = master_tensor(s, cfg, seed, device)
+            m = master(s)
         if s.kind == "linear":
             # Quantize from the BF16-rounded master so every format has one BF16 source.
             m = m.bfloat16().float()
@@ -581,7 +635,7 @@ def _iter_tensors(
                     a = float(m.abs().amax())
                     for p in groups[s.fuse]:
                         if p.name != s.name:
-                            cache[p.name] = master_tensor(p, cfg, seed, device).bfloat16().float()
+                            cache[p.name] = master(p).bfloat16().float()
                             a = max(a, float(cache[p.name].abs().amax()))
                     gamax[s.fuse] = a
                 ga = gamax[s.fuse]
@@ -703,10 +757,13 @@ def generate(
     progress: bool = False,
     max_shard_bytes: int = 2 << 30,
     tokenizer: bool | None = None,
+    router_gain: float = DEFAULT_ROUTER_GAIN,
+    expert_shared: float = DEFAULT_EXPERT_SHARED,
 ) -> dict:
     """Generate a checkpoint into `out`; returns its config. tokenizer: also write the byte-level
     tiny tokenizer (cutedsl.tools.tiny_tokenizer), so servers take text and chat requests; None
-    writes it when the vocabulary is large enough (>= 265 ids) and warns otherwise."""
+    writes it when the vocabulary is large enough (>= 265 ids) and warns otherwise.
+    router_gain, expert_shared: the conditioning knobs of the module docstring."""
     if scheme not in ("native", "hf"):
         raise ValueError(f"unknown naming scheme {scheme!r}; expected 'native' or 'hf'")
     cfg = make_config(preset, fmt, overrides, layers)
@@ -714,7 +771,9 @@ def generate(
     if hazard:
         print(f"warning: {hazard}", file=sys.stderr)
     with torch.no_grad():
-        it = _iter_tensors(cfg, fmt, seed, torch.device(device), progress)
+        it = _iter_tensors(
+            cfg, fmt, seed, torch.device(device), progress, router_gain, expert_shared
+        )
         if tokenizer is None:
             tokenizer = cfg["vocab_size"] >= tiny_tokenizer.MIN_VOCAB
             if not tokenizer:
@@ -757,6 +816,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None, help="JSON object (or file) overriding config keys")
     ap.add_argument("--device", default="cpu", help="where to generate/quantize (cpu, cuda)")
     ap.add_argument("--max-shard-gb", type=float, default=2.0)
+    ap.add_argument(
+        "--router-gain", type=float, default=DEFAULT_ROUTER_GAIN,
+        help="std of the router logits (1: unconditioned)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--expert-shared", type=float, default=DEFAULT_EXPERT_SHARED,
+        help="variance fraction common to a layer's routed experts (0: independent experts)",
+    )  # fmt: skip
     ap.add_argument("--force", action="store_true", help="replace an existing OUT")
     ap.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     ap.add_argument("--list", action="store_true", help="print the tensor table and exit")
@@ -786,6 +853,8 @@ def main(argv: list[str] | None = None) -> int:
         progress=True,
         max_shard_bytes=int(a.max_shard_gb * 2**30),
         tokenizer=False if a.no_tokenizer else None,
+        router_gain=a.router_gain,
+        expert_shared=a.expert_shared,
     )
     print(
         f"wrote {a.preset} ({cfg['num_hidden_layers']} layers, H={cfg['hidden_size']}) "
