@@ -2,7 +2,7 @@
 """One table (and a plot) from bench/serve_bench.py result files.
 
     python bench/plot_serve.py OURS.json BASE.json [...] --md OUT.md [--png OUT.png]
-        [--baseline LABEL]
+        [--json OUT.json] [--baseline LABEL]
 
 Markdown: one row per (shape, concurrency) (the effective shape, after fitting), and per label the
 output tokens/s, median TTFT ms and median TPOT ms, then one ratio column per non-baseline label:
@@ -10,6 +10,11 @@ its output tokens/s over the baseline's. The first file's label is "ours"; the b
 --baseline LABEL, else the first other label. A cell is "—" when that label has no such run, or
 the run's status ("skipped", "failed", "timeout") when it did not finish ok. Below the table:
 each file's label, date, device, vLLM version, command, and the runs that were not ok.
+
+JSON (--json): command, baseline, labels, sources (the files' headers), and rows: one per
+(shape, concurrency) with per label {status, output_throughput, median_ttft_ms, median_tpot_ms,
+median_itl_ms, num_prompts} (null where that label has no run) and ratio {label: output tokens/s
+over the baseline's} (null unless both ran ok).
 
 PNG (needs matplotlib, imported only for --png; exit 2 with a message when it is missing): one
 column per shape; top row output tokens/s vs concurrency, bottom row median TPOT ms vs
@@ -56,6 +61,31 @@ def _cell(r: dict | None, key: str, fmt: str) -> str:
         return r.get("status", "?")
     v = r.get(key)
     return "—" if v is None else fmt.format(v)
+
+
+def rows(labels: list[str], runs: dict, baseline: str) -> list[dict]:
+    """The table as data: one row per (shape, concurrency)."""
+    keys = sorted({(s, c) for _, s, c in runs}, key=lambda k: (_shape_key(k[0]), k[1]))
+    fields = ("status", "output_throughput", "median_ttft_ms", "median_tpot_ms", "median_itl_ms",
+              "num_prompts")  # fmt: skip
+    out = []
+    for shape, conc in keys:
+        row = {"shape": shape, "concurrency": conc, "ratio": {}}
+        for lab in labels:
+            r = runs.get((lab, shape, conc))
+            row[lab] = None if r is None else {f: r.get(f) for f in fields}
+        b = runs.get((baseline, shape, conc))
+        for lab in labels:
+            if lab == baseline:
+                continue
+            r = runs.get((lab, shape, conc))
+            ok = r and b and r.get("status") == b.get("status") == "ok"
+            ok = ok and r.get("output_throughput") and b.get("output_throughput")
+            row["ratio"][lab] = (
+                round(r["output_throughput"] / b["output_throughput"], 4) if ok else None
+            )
+        out.append(row)
+    return out
 
 
 def markdown(headers: list[dict], labels: list[str], runs: dict, baseline: str) -> str:
@@ -141,10 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("files", nargs="+", help="serve_bench.py result JSONs (first = ours)")
     ap.add_argument("--md", default=None, help="markdown table to write")
     ap.add_argument("--png", default=None, help="plot to write (needs matplotlib)")
+    ap.add_argument("--json", default=None, help="the table as JSON")
     ap.add_argument("--baseline", default=None, help="label the ratios divide by")
     a = ap.parse_args(argv)
-    if not a.md and not a.png:
-        print("plot_serve: give --md and/or --png", file=sys.stderr)
+    if not a.md and not a.png and not a.json:
+        print("plot_serve: give --md, --png and/or --json", file=sys.stderr)
         return 2
     if a.png:
         try:
@@ -165,11 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot_serve: --baseline {a.baseline!r} not among labels {labels}", file=sys.stderr)
         return 2
     baseline = a.baseline or (labels[1] if len(labels) > 1 else labels[0] if labels else "")
+    command = shlex.join(["python", "bench/plot_serve.py", *(argv or sys.argv[1:])])
+    if a.json:
+        doc = {"command": command, "baseline": baseline, "labels": labels, "sources": headers,
+               "rows": rows(labels, runs, baseline)}  # fmt: skip
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     if a.md:
         text = markdown(headers, labels, runs, baseline)
-        text += (
-            f"\nTable: `{shlex.join(['python', 'bench/plot_serve.py', *(argv or sys.argv[1:])])}`\n"
-        )
+        text += f"\nTable: `{command}`\n"
         Path(a.md).write_text(text)
         print(text)
     if a.png:

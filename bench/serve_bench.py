@@ -4,7 +4,8 @@
     python bench/serve_bench.py --base-url http://127.0.0.1:8000 --model DIR --label NAME
         [--shapes 1024x1024,8192x1024] [--concurrency 1,8,32,64]
         [--prompts-per-concurrency 2 | --num-prompts N] [--seed 0] [--time-budget S]
-        [--run-timeout S] [--max-model-len N] [--fit-margin 16] [--log-dir DIR] --out FILE.json
+        [--run-timeout S] [--min-run-s S] [--max-model-len N] [--fit-margin 16] [--log-dir DIR]
+        [--resume] [--warmup-requests N] --out FILE.json
 
 For every shape INxOUT (prompt tokens x output tokens) and every concurrency C it runs the real
 benchmark CLI of the installed vLLM as a subprocess (`python -m vllm.entrypoints.cli.main bench
@@ -27,8 +28,19 @@ max_output_tokens_per_s, command (exact argv as a shell string), and error (tail
 output) when status is not "ok". "ok" means rc 0 and completed == num_prompts.
 
 --time-budget S: no new run starts once the remaining budget is smaller than the previous run's
-wall time (those runs are recorded as "skipped"); each run's timeout is also capped at the
-remaining budget. SIGTERM (a driver's `timeout`) or Ctrl-C kills the running CLI's process group,
+wall time or --min-run-s (those runs are recorded as "skipped"); each run's timeout is also
+capped at the remaining budget.
+
+--resume: keep the runs already in --out (a driver calling this once per point, over several
+calls); a point (effective shape, concurrency) with an "ok" record there is not run again, a
+record that was not ok is replaced when its point runs. The first header is kept; each resumed
+invocation is appended to header.resumed (command, date).
+
+--warmup-requests N: before the first run of a shape, N concurrent non-streamed requests of that
+shape's prompt length (random token ids, --warmup-max-tokens tokens, greedy), so that first-use
+JIT compilation (Triton, TileLang) of the server is out of the measured runs; recorded in
+header.warmups (shape, n, wall_s, errors), counted in the time budget, and done once per shape
+across resumed invocations. SIGTERM (a driver's `timeout`) or Ctrl-C kills the running CLI's process group,
 records that run as "interrupted" and exits 143 (130). Exit status otherwise: 0 when every run
 that was started is "ok", 1 when one was not, 2 on bad arguments.
 """
@@ -113,14 +125,56 @@ def fit_shape(input_len: int, output_len: int, max_model_len: int | None, margin
     return a, b
 
 
-def should_skip(remaining_s: float | None, prev_wall_s: float | None) -> bool:
+def should_skip(remaining_s: float | None, prev_wall_s: float | None, min_s: float = 0.0) -> bool:
     """Budget rule: skip when a budget is set and what remains is below the previous run's wall
-    time (or nothing remains). The first run (prev_wall_s None) starts while budget remains."""
+    time or min_s (or nothing remains). The first run (prev_wall_s None) starts while more than
+    min_s remains."""
     if remaining_s is None:
         return False
-    if remaining_s <= 0:
+    if remaining_s <= 0 or remaining_s < min_s:
         return True
     return prev_wall_s is not None and remaining_s < prev_wall_s
+
+
+def warmup(base_url: str, model: str, prompt_len: int, n: int, max_tokens: int, seed: int,
+           timeout: float) -> dict:  # fmt: skip
+    """n concurrent greedy non-streamed /v1/completions of prompt_len random token ids."""
+    import http.client
+    import random
+    import threading
+    import urllib.parse
+
+    u = urllib.parse.urlparse(base_url)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, 1000) for _ in range(prompt_len)] for _ in range(n)]
+    errors: list[str] = []
+
+    def one(prompt: list[int]) -> None:
+        conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True}  # fmt: skip
+        try:
+            conn.request("POST", u.path.rstrip("/") + "/v1/completions", json.dumps(body),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            r = conn.getresponse()
+            data = r.read()
+            if r.status != 200:
+                errors.append(f"HTTP {r.status}: {data[:200]!r}")
+        except (OSError, http.client.HTTPException) as e:
+            errors.append(f"{type(e).__name__}: {e}"[:200])
+        finally:
+            conn.close()
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=one, args=(p,), daemon=True) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, timeout - (time.monotonic() - t0)))
+    if any(t.is_alive() for t in threads):
+        errors.append(f"warm-up still running after {timeout:.0f} s")
+    return {"n": n, "prompt_len": prompt_len, "max_tokens": max_tokens,
+            "wall_s": round(time.monotonic() - t0, 2), "errors": errors[:5]}  # fmt: skip
 
 
 def server_max_model_len(base_url: str, model: str, timeout: float = 10.0) -> int | None:
@@ -229,6 +283,13 @@ def _record(res: dict) -> dict:
     return rec
 
 
+def _append(doc: dict, rec: dict) -> None:
+    """Add rec, replacing an earlier (not ok) record of the same point (--resume)."""
+    key = (rec["shape"], rec["concurrency"])
+    doc["runs"] = [r for r in doc["runs"] if (r.get("shape"), r.get("concurrency")) != key]
+    doc["runs"].append(rec)
+
+
 def _write(path: Path, doc: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
@@ -264,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fit", action="store_true", help="run shapes as given")
     ap.add_argument("--time-budget", type=float, default=None, help="seconds for all runs")
     ap.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run")
+    ap.add_argument("--min-run-s", type=float, default=0.0,
+                    help="with --time-budget: start no run with less than this left")  # fmt: skip
+    ap.add_argument("--resume", action="store_true", help="keep and skip the ok runs in --out")
+    ap.add_argument("--warmup-requests", type=int, default=0, help="per shape, before its runs")
+    ap.add_argument("--warmup-max-tokens", type=int, default=4)
+    ap.add_argument("--warmup-timeout", type=float, default=300.0)
     ap.add_argument("--log-dir", default=None, help="CLI logs (default: a temp dir)")
     ap.add_argument("--python", default=sys.executable, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -317,6 +384,17 @@ def main(argv: list[str] | None = None) -> int:
         f"--metric-percentiles {METRIC_PERCENTILES}",
     }
     doc = {"header": header, "runs": []}
+    if a.resume and out.exists():
+        try:
+            old = json.loads(out.read_text())
+            doc = {"header": old["header"], "runs": list(old["runs"])}
+        except (OSError, ValueError, KeyError) as e:
+            print(f"serve_bench: --resume: {out} unreadable ({e!r}); starting it anew",
+                  file=sys.stderr)  # fmt: skip
+        else:
+            doc["header"].setdefault("resumed", []).append(
+                {"command": header["command"], "date": header["date"]}
+            )
     _write(out, doc)
 
     old_handler = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -339,12 +417,19 @@ def _loop(
     prev_wall: float | None = None
     n_bad = 0
     total = len(shapes) * len(concs)
+    done = {(r["shape"], r["concurrency"]) for r in doc["runs"] if r.get("status") == "ok"}
+    warmed = {w["shape"] for w in doc["header"].get("warmups", []) if not w.get("errors")}
     with tempfile.TemporaryDirectory(prefix="serve_bench_") as rdir:
         for si, (req_in, req_out, inp, outl) in enumerate(shapes):
             for ci, conc in enumerate(concs):
                 i = si * len(concs) + ci + 1
                 n = a.num_prompts or a.prompts_per_concurrency * conc
                 tag = f"{a.label}_{inp}x{outl}_c{conc}"
+                if (f"{inp}x{outl}", conc) in done:
+                    print(
+                        f"[{i}/{total}] {tag}: ok in an earlier invocation (--resume)", flush=True
+                    )
+                    continue
                 rec = {
                     "label": a.label,
                     "requested_shape": f"{req_in}x{req_out}",
@@ -357,15 +442,35 @@ def _loop(
                 remaining = None
                 if a.time_budget is not None:
                     remaining = a.time_budget - (time.monotonic() - t_start)
-                if should_skip(remaining, prev_wall):
+                if should_skip(remaining, prev_wall, a.min_run_s):
                     rec["status"] = "skipped"
                     rec["error"] = (
-                        f"time budget: {remaining:.0f} s left < previous run {prev_wall or 0:.0f} s"
+                        f"time budget: {remaining:.0f} s left < previous run {prev_wall or 0:.0f}"
+                        f" s or --min-run-s {a.min_run_s:.0f} s"
                     )
-                    doc["runs"].append(rec)
+                    _append(doc, rec)
                     _write(out, doc)
                     print(f"[{i}/{total}] {tag}: skipped ({rec['error']})", flush=True)
                     continue
+                if a.warmup_requests > 0 and f"{inp}x{outl}" not in warmed:
+                    wt = a.warmup_timeout if remaining is None else min(a.warmup_timeout, remaining)
+                    w = warmup(a.base_url, a.served_model_name or a.model, inp, a.warmup_requests,
+                               a.warmup_max_tokens, a.seed + 1, wt)  # fmt: skip
+                    w["shape"] = f"{inp}x{outl}"
+                    doc["header"].setdefault("warmups", []).append(w)
+                    warmed.add(w["shape"])
+                    _write(out, doc)
+                    print(f"[{i}/{total}] warm-up {w['shape']}: {w['n']} requests, "
+                          f"{w['wall_s']:.0f} s, errors {w['errors']}", flush=True)  # fmt: skip
+                    if a.time_budget is not None:
+                        remaining = a.time_budget - (time.monotonic() - t_start)
+                        if should_skip(remaining, prev_wall, a.min_run_s):
+                            rec["status"] = "skipped"
+                            rec["error"] = f"time budget: {remaining:.0f} s left after the warm-up"
+                            _append(doc, rec)
+                            _write(out, doc)
+                            print(f"[{i}/{total}] {tag}: skipped ({rec['error']})", flush=True)
+                            continue
                 rfile = f"{tag}.json"
                 cmd = bench_command(a, inp, outl, conc, n, rdir, rfile)
                 timeout = a.run_timeout if remaining is None else min(a.run_timeout, remaining)
@@ -376,7 +481,7 @@ def _loop(
                     rec["status"] = "interrupted"
                     why = str(e) or "SIGINT"
                     rec["error"] = f"serve_bench stopped by {why}; the CLI was killed"
-                    doc["runs"].append(rec)
+                    _append(doc, rec)
                     _write(out, doc)
                     print(f"[{i}/{total}] {tag}: interrupted; wrote {out}", flush=True)
                     return 143 if isinstance(e, _Interrupted) else 130
@@ -396,7 +501,7 @@ def _loop(
                     n_bad += 1
                     rec["rc"] = rc
                     rec["error"] = tail
-                doc["runs"].append(rec)
+                _append(doc, rec)
                 _write(out, doc)
                 if rec["status"] == "ok":
                     msg = (

@@ -6,11 +6,21 @@
 
 N client threads send /v1/completions requests (token-id prompts, so tokenizer-less tiny
 checkpoints work) with mixed prompt and output lengths, half of them streaming, until the
-duration has passed; each request has its own timeout, so the run always ends. Before and after
-the load, fixed prompts are sent greedily and their outputs compared (must be identical), and GPU
-memory is read from nvidia-smi when present. Writes one JSON: command, date, counts, errors
-(must be 0), latency percentiles (total and time to first token), memory before/after, and
-whether the greedy outputs matched.
+duration has passed; each request has its own timeout, so the run always ends. GPU memory is
+read from nvidia-smi when present. Writes one JSON: command, date, counts, errors (must be 0),
+latency percentiles (total and time to first token), memory before/after, and the greedy check.
+
+Greedy check: three fixed token-id prompts (5, 40 and 300 tokens) are sent one at a time
+(sequential, temperature 0, 24 tokens, not streamed) twice before the load ("before": cold, their
+first prefill; "repeat": the same requests again, idle, whose full KV blocks now come from the
+prefix cache) and once after it ("after"). Stored: the outputs, the prompt tokens each answer
+took from the prefix cache (usage.prompt_tokens_details.cached_tokens; the server needs
+--enable-prompt-tokens-details, and then pass --prompt-tokens-details here), and per prompt which
+pairs match (greedy_pairs: cold_vs_cached, cached_vs_after, cold_vs_after) with a verdict
+(greedy_check: identical / prefix_cache_effect / nondeterministic_idle / state_leak), so that a
+different prefill length (prefix-cache hit: other numerics) is told apart from state the load left
+behind. greedy_identical is the strict before == after. Exit status 0 when there were requests,
+no errors, greedy_ok (verdict identical or prefix_cache_effect) and memory flat (when measured).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import os
 import random
 import shlex
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -41,10 +52,22 @@ def _conn(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
 
 
 def complete(
-    url: str, model: str, prompt: list[int], max_tokens: int, stream: bool, timeout: float
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    stream: bool,
+    timeout: float,
+    info: dict | None = None,
+    active: set | None = None,
 ) -> tuple[list, float, float]:
-    """One /v1/completions request, greedy. Returns (output pieces, total s, time to first piece s)."""
+    """One /v1/completions request, greedy. Returns (output pieces, total s, time to first piece s).
+    Non-streamed, `info["cached_tokens"]` gets usage.prompt_tokens_details.cached_tokens (None
+    when the answer has no such field: vLLM sends it only with --enable-prompt-tokens-details and
+    only when some tokens were cached). `active` holds the open socket while the request
+    runs, so that the soak can cut it at its hard stop."""
     conn, base = _conn(url, timeout)
+    sock = None
     body = {
         "model": model,
         "prompt": prompt,
@@ -55,6 +78,10 @@ def complete(
     }
     t0 = time.perf_counter()
     try:
+        if active is not None:
+            conn.connect()
+            sock = conn.sock  # kept: http.client drops conn.sock once a response will close
+            active.add(sock)
         conn.request(
             "POST", f"{base}/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
         )
@@ -63,7 +90,11 @@ def complete(
             raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
         pieces, ttft = [], None
         if not stream:
-            choice = json.loads(r.read())["choices"][0]
+            doc = json.loads(r.read())
+            choice = doc["choices"][0]
+            if info is not None:
+                details = (doc.get("usage") or {}).get("prompt_tokens_details") or {}
+                info["cached_tokens"] = details.get("cached_tokens")
             pieces = choice.get("token_ids") or [choice.get("text", "")]
             ttft = time.perf_counter() - t0
         else:
@@ -74,12 +105,19 @@ def complete(
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                choice = json.loads(data)["choices"][0]
+                choices = json.loads(data).get("choices") or []
+                if not choices:  # a usage-only chunk
+                    continue
+                choice = choices[0]
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 pieces += choice.get("token_ids") or [choice.get("text", "")]
+            else:  # the stream ended without its [DONE]: cut, not a complete answer
+                raise RuntimeError(f"stream ended without [DONE] after {len(pieces)} pieces")
         return pieces, time.perf_counter() - t0, ttft if ttft is not None else float("nan")
     finally:
+        if sock is not None:
+            active.discard(sock)
         conn.close()
 
 
@@ -132,6 +170,55 @@ def server_memory_mib(pid: int) -> int | None:
     return total if seen else None
 
 
+_VERDICTS = ("identical", "prefix_cache_effect", "nondeterministic_idle", "state_leak")
+
+
+def greedy_check(cold: list | None, cached: list | None, after: list | None,
+                 hits: dict[str, list | None]) -> dict:  # fmt: skip
+    """Which greedy runs agree, per fixed prompt: cold (first prefill) vs cached (same request
+    again, idle) vs after (the load). hits[run][i] = prompt tokens served from the prefix cache
+    (None: unknown). "after" is judged against the idle run with the same cache state (cached
+    tokens equal; unknown: either idle run): a mismatch there is "state_leak" (something the load
+    left behind). Otherwise a cold/cached mismatch is "prefix_cache_effect" when the cached run
+    did take tokens from the cache (or that is unknown), and "nondeterministic_idle" when it took
+    none (the same prefill twice gave two answers). The overall verdict is the worst per prompt;
+    greedy_ok is False for state_leak, nondeterministic_idle and missing runs."""
+    if cold is None or cached is None or after is None:
+        return {"greedy_pairs": None, "greedy_verdicts": None, "greedy_verdict": "missing_run",
+                "greedy_ok": False}  # fmt: skip
+    n = len(cold)
+
+    def hit(run: str, i: int) -> int | None:
+        h = hits.get(run)
+        return None if h is None else h[i]
+
+    pairs = {
+        "cold_vs_cached": [cold[i] == cached[i] for i in range(n)],
+        "cached_vs_after": [cached[i] == after[i] for i in range(n)],
+        "cold_vs_after": [cold[i] == after[i] for i in range(n)],
+    }
+    verdicts = []
+    for i in range(n):
+        ha, hc, h0 = hit("after", i), hit("repeat", i), hit("before", i)
+        if ha is not None and ha == hc and ha != h0:
+            refs = [cached[i]]
+        elif ha is not None and ha == h0 and ha != hc:
+            refs = [cold[i]]
+        else:  # unknown, or all three the same cache state
+            refs = [cold[i], cached[i]]
+        if after[i] not in refs:
+            verdicts.append("state_leak")
+        elif cold[i] == cached[i] == after[i]:
+            verdicts.append("identical")
+        elif cold[i] != cached[i] and hc == 0:
+            verdicts.append("nondeterministic_idle")
+        else:
+            verdicts.append("prefix_cache_effect")
+    worst = max(verdicts, key=_VERDICTS.index) if verdicts else "identical"
+    return {"greedy_pairs": pairs, "greedy_verdicts": verdicts, "greedy_verdict": worst,
+            "greedy_ok": worst in ("identical", "prefix_cache_effect")}  # fmt: skip
+
+
 def _pct(xs: list[float], p: float) -> float | None:
     if not xs:
         return None
@@ -157,6 +244,20 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="measure GPU memory of this process tree (not the whole GPU)",
     )
+    ap.add_argument(
+        "--prompt-tokens-details",
+        action="store_true",
+        help="the server runs with --enable-prompt-tokens-details: a greedy answer without "
+        "cached_tokens means 0 cached (vLLM omits the field then)",
+    )
+    ap.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        help="seconds after --duration that requests still running may take; then they are "
+        "cut (closed: the server aborts them) and counted as cut_at_drain, not as errors "
+        "(default: --timeout + 30)",
+    )
     ap.add_argument("--memory-tolerance-mib", type=int, default=64)
     ap.add_argument(
         "--memory-warmup-s",
@@ -172,23 +273,38 @@ def main(argv: list[str] | None = None) -> int:
 
     lat, ttft, errors, lock = [], [], [], threading.Lock()
 
+    cached: dict[str, list | None] = {}
+
     def greedy(when: str) -> list | None:
+        """The fixed prompts one at a time (sequential, greedy, 24 tokens), with how many
+        prompt tokens the server took from its prefix cache for each."""
+        outs, hits = [], []
         try:
-            return [complete(args.url, args.model, p, 24, False, args.timeout)[0] for p in fixed]
+            for p in fixed:
+                info: dict = {}
+                outs.append(complete(args.url, args.model, p, 24, False, args.timeout, info)[0])
+                hit = info.get("cached_tokens")
+                hits.append(hit if hit is not None else (0 if args.prompt_tokens_details else None))
         except Exception as e:
             errors.append(f"greedy {when}: {type(e).__name__}: {e}"[:300])
+            cached[when] = None
             return None
+        cached[when] = hits
+        return outs
 
     def memory() -> int | list[int] | None:
         return server_memory_mib(args.server_pid) if args.server_pid else gpu_memory_mib()
 
+    # Cold (the prompts' first prefill), then the same requests again, still idle (their full
+    # blocks now come from the prefix cache: a shorter prefill, possibly other numerics), then
+    # once after the load; greedy_check() says which of the three agree and why.
     greedy_before = greedy("before")
-    # The same requests again, still idle: if these differ the server is not repeatable at all
-    # (e.g. atomics), which tells that apart from a change caused by the load (cache, state).
     greedy_repeat = greedy("repeat")
     mem_before = memory()
     stop_at = time.monotonic() + args.duration
-    counts = {"requests": 0, "streamed": 0}
+    counts = {"requests": 0, "streamed": 0, "cut_at_drain": 0}
+    active: set = set()
+    cutting = threading.Event()
 
     def client(cid: int) -> None:
         r = random.Random(args.seed * 1000 + cid)
@@ -197,7 +313,13 @@ def main(argv: list[str] | None = None) -> int:
             stream = r.random() < 0.5
             try:
                 _, total, first = complete(
-                    args.url, args.model, prompt, r.choice(olens), stream, args.timeout
+                    args.url,
+                    args.model,
+                    prompt,
+                    r.choice(olens),
+                    stream,
+                    args.timeout,
+                    active=active,
                 )
                 with lock:
                     lat.append(total)
@@ -206,19 +328,36 @@ def main(argv: list[str] | None = None) -> int:
                     counts["streamed"] += stream
             except Exception as e:  # recorded, never hidden: errors must be 0
                 with lock:
-                    errors.append(f"client {cid}: {type(e).__name__}: {e}"[:300])
+                    if cutting.is_set():
+                        counts["cut_at_drain"] += 1
+                    else:
+                        errors.append(f"client {cid}: {type(e).__name__}: {e}"[:300])
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
     for t in threads:
         t.start()
     samples = []  # (s since start, memory) every ~30 s: flat, not only equal at the ends
-    hard_stop = stop_at + args.timeout + 30
+    drain = args.timeout + 30 if args.drain_timeout is None else args.drain_timeout
+    hard_stop = stop_at + drain
     while any(t.is_alive() for t in threads) and time.monotonic() < hard_stop:
         samples.append((round(time.monotonic() - t0, 1), memory()))
-        tick = time.monotonic() + 30
+        tick = min(time.monotonic() + 30, hard_stop)
         for t in threads:
             t.join(max(0.0, tick - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        # Cut what still runs, so that the greedy check after the load sees an idle server
+        # (a batch of other requests would change its numerics).
+        cutting.set()
+        for sock in list(active):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        t_cut = time.monotonic() + 5
+        for t in threads:
+            t.join(max(0.0, t_cut - time.monotonic()))
+        time.sleep(2.0)  # the server aborts the closed requests
     wall = time.monotonic() - t0
     greedy_after, mem_after = greedy("after"), memory()
 
@@ -254,14 +393,17 @@ def main(argv: list[str] | None = None) -> int:
         "memory_flat": growth is not None and growth <= args.memory_tolerance_mib,
         "greedy_identical": greedy_before is not None and greedy_before == greedy_after,
         "greedy_repeatable_idle": greedy_before is not None and greedy_before == greedy_repeat,
+        "greedy_prompt_lens": [len(p) for p in fixed],
         "greedy_outputs": {"before": greedy_before, "repeat": greedy_repeat, "after": greedy_after},
+        "greedy_cached_tokens": cached,
+        **greedy_check(greedy_before, greedy_repeat, greedy_after, cached),
     }
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    ok = not errors and result["greedy_identical"] and counts["requests"] > 0
+    ok = not errors and result["greedy_ok"] and counts["requests"] > 0
     return 0 if ok and (growth is None or result["memory_flat"]) else 1
 
 

@@ -116,6 +116,7 @@ def test_helpers() -> None:
     skip = serve_bench.should_skip
     assert not skip(None, 100.0) and not skip(10.0, None) and not skip(10.0, 9.0)
     assert skip(10.0, 11.0) and skip(0.0, None)
+    assert skip(10.0, None, 20.0) and not skip(30.0, None, 20.0) and skip(30.0, 31.0, 20.0)
 
 
 def test_end_to_end_real_cli(tok_dir: Path, tmp_path: Path) -> None:
@@ -274,6 +275,16 @@ def test_plot_md(tmp_path: Path) -> None:
     want = {("16x8", 1): "0.50", ("16x8", 8): "1.25", ("32x8", 1): "—", ("32x8", 8): "—"}
     assert ratios == want
     assert plot_serve.main([str(ours), "--md", str(md), "--baseline", "nope"]) == 2
+    js = tmp_path / "t.json"
+    assert plot_serve.main([str(ours), str(base), "--json", str(js)]) == 0
+    doc = json.loads(js.read_text())
+    assert doc["baseline"] == "up" and doc["labels"] == ["ours", "up"]
+    got = {(r["shape"], r["concurrency"]): r for r in doc["rows"]}
+    assert got[("16x8", 8)]["ratio"] == {"ours": 0.8}
+    assert got[("16x8", 8)]["ours"]["output_throughput"] == 640.0
+    assert got[("32x8", 1)]["up"] is None and got[("32x8", 1)]["ratio"] == {"ours": None}
+    assert got[("32x8", 8)]["ours"]["status"] == "skipped"
+    assert [s["label"] for s in doc["sources"]] == ["ours", "up"]
 
 
 def test_plot_png_without_matplotlib(tmp_path: Path) -> None:
@@ -336,3 +347,87 @@ def test_plot_png(tmp_path: Path) -> None:
     png = tmp_path / "t.png"
     assert plot_serve.main([str(f), str(g), "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+_FAKE_CLI = """\
+import json, os, sys
+a = sys.argv
+def arg(k):
+    return a[a.index(k) + 1]
+n, c = int(arg("--num-prompts")), int(arg("--max-concurrency"))
+if str(c) in os.environ.get("FAKE_FAIL_CONC", "").split(","):
+    sys.exit(1)
+res = {"completed": n, "failed": 0, "duration": 1.0, "output_throughput": 10.0 * c,
+       "median_ttft_ms": 5.0, "median_tpot_ms": 1.0}
+with open(os.path.join(arg("--result-dir"), arg("--result-filename")), "w") as f:
+    json.dump(res, f)
+"""
+
+
+def _warmup_stub():
+    seen: list[dict] = []
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            data = json.dumps({"choices": [{"text": "x"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}", seen
+
+
+def test_resume_warmup_and_min_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver calls serve_bench once per point over two device calls: --resume keeps the ok
+    runs, re-runs the failed one in place, and warms each shape up once (token-id prompts of the
+    shape's length, short outputs, before its first run)."""
+    fake = tmp_path / "fake_cli.py"
+    fake.write_text(_FAKE_CLI)
+    launcher = tmp_path / "python"
+    launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {fake} "$@"\n')
+    launcher.chmod(0o755)
+    srv, url, seen = _warmup_stub()
+    out = tmp_path / "r.json"
+    base = ["--base-url", url, "--model", "m", "--label", "x", "--no-fit", "--out", str(out),
+            "--log-dir", str(tmp_path / "logs"), "--python", str(launcher)]  # fmt: skip
+    try:
+        monkeypatch.setenv("FAKE_FAIL_CONC", "2")
+        rc = serve_bench.main([*base, "--shapes", "16x8", "--concurrency", "1,2",
+                               "--warmup-requests", "3", "--warmup-max-tokens", "2"])  # fmt: skip
+        assert rc == 1
+        doc = json.loads(out.read_text())
+        assert [r["status"] for r in doc["runs"]] == ["ok", "failed"]
+        assert [(w["shape"], w["n"], w["errors"]) for w in doc["header"]["warmups"]] == [
+            ("16x8", 3, [])
+        ]
+        assert len(seen) == 3 and all(len(b["prompt"]) == 16 for b in seen)
+        assert all(b["max_tokens"] == 2 and b["temperature"] == 0 and b["ignore_eos"] for b in seen)
+        assert all(isinstance(t, int) for b in seen for t in b["prompt"])
+
+        monkeypatch.setenv("FAKE_FAIL_CONC", "")
+        rc = serve_bench.main([*base, "--shapes", "16x8", "--concurrency", "1,2", "--resume",
+                               "--warmup-requests", "3"])  # fmt: skip
+        assert rc == 0
+        doc = json.loads(out.read_text())
+        assert [(r["concurrency"], r["status"]) for r in doc["runs"]] == [(1, "ok"), (2, "ok")]
+        assert len(seen) == 3  # 16x8 was warmed up already
+        assert len(doc["header"]["resumed"]) == 1
+
+        # too little budget left for --min-run-s: recorded as skipped, no warm-up, rc 0
+        rc = serve_bench.main([*base, "--shapes", "32x8", "--concurrency", "1", "--resume",
+                               "--warmup-requests", "3", "--time-budget", "5",
+                               "--min-run-s", "10"])  # fmt: skip
+        assert rc == 0 and len(seen) == 3
+        doc = json.loads(out.read_text())
+        assert [(r["shape"], r["status"]) for r in doc["runs"]][-1] == ("32x8", "skipped")
+        assert "--min-run-s 10" in doc["runs"][-1]["error"] and len(doc["runs"]) == 3
+    finally:
+        srv.shutdown()

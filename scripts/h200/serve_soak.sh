@@ -2,9 +2,10 @@
 # On the H200, one call (~8 min), issue 9: `make serve`'s path (scripts/serve.sh, no MODEL: the tiny
 # full-NVFP4 checkpoint, generated once) with our overlay, OpenAI client checks (completions and chat,
 # streaming and not), then the soak (64 clients, 5 min, mixed lengths; errors, latency, GPU memory of
-# the server's processes, greedy outputs before == after). Meanwhile (BENCH_SERVERS=1) the two
-# flash-layers servers for scripts/h200/serve_bench.sh start in their own sessions (setsid: they
-# outlive this call) so their JIT warm-up overlaps the soak; the soak JSON records that.
+# the server's processes, greedy outputs cold / prefix-cached / after, see bench/soak.py).
+# Meanwhile (BENCH_SERVERS=1) the two flash-layers servers of scripts/h200/serve_bench.sh start
+# (env.sh's start_flash: their own sessions, they outlive this call) so their JIT warm-up overlaps
+# the soak; the soak JSON records that. (serve_bench.sh 1 now also soaks the flash server itself.)
 # Results: $OUT/serve_soak.tgz, $OUT/summary.txt.
 set -u
 . "$(dirname "$0")/env.sh"
@@ -24,7 +25,7 @@ wait_health() {  # wait_health PORT SECONDS PID
 
 s=$SECONDS
 # A bounded share of the GPU, so the benchmark servers can start beside it.
-PORT=8000 VLLM_EXTRA_ARGS="--gpu-memory-utilization 0.25 --kv-cache-memory-bytes 8000000000" \
+PORT=8000 VLLM_EXTRA_ARGS="--gpu-memory-utilization 0.25 --kv-cache-memory-bytes 8000000000 --enable-prompt-tokens-details" \
     setsid "${OURS[@]}" bash "$REPO/scripts/serve.sh" >"$R/serve_tiny.log" 2>&1 < /dev/null &
 srv=$!
 if ! wait_health 8000 360 $srv; then
@@ -37,15 +38,13 @@ step openai_smoke 120 python3 "$REPO/bench/openai_smoke.py" --url http://127.0.0
 
 note=""
 if [ "${BENCH_SERVERS:-1}" = 1 ] && [ -f /tmp/ckpt/flash-nvfp4/config.json ] && [ -f /tmp/ckpt/flash-native/config.json ]; then
-    bench_args=(--max-model-len 10240 --max-num-seqs 64 --kv-cache-memory-bytes 16000000000 --gpu-memory-utilization 0.3)
-    PORT=8001 setsid "${OURS[@]}" bash "$REPO/scripts/serve.sh" /tmp/ckpt/flash-nvfp4 \
-        --served-model-name flash "${bench_args[@]}" >/tmp/serve_flash_ours.log 2>&1 < /dev/null &
-    PORT=8002 SERVE_UPSTREAM=1 setsid "${UPSTREAM[@]}" bash "$REPO/scripts/serve.sh" /tmp/ckpt/flash-native \
-        --served-model-name flash "${bench_args[@]}" >/tmp/serve_flash_upstream.log 2>&1 < /dev/null &
+    start_flash ours
+    start_flash upstream
     note="flash-layers servers (ports 8001, 8002) started at the soak's start and warmed up (JIT) during it"
 fi
 step soak $((SOAK_S + 200)) python3 "$REPO/bench/soak.py" --url http://127.0.0.1:8000 --model "$model" \
-    --clients 64 --duration "$SOAK_S" --vocab 1024 --server-pid $srv --out "$R/soak.json"
+    --clients 64 --duration "$SOAK_S" --vocab 1024 --server-pid $srv --prompt-tokens-details \
+    --drain-timeout 60 --out "$R/soak.json"
 [ -n "$note" ] && python3 - "$R/soak.json" "$note" <<'PY'
 import json, sys
 p, note = sys.argv[1], sys.argv[2]
@@ -57,5 +56,5 @@ kill -TERM -- -$srv 2>/dev/null
 for ((i = 0; i < 30; i++)); do kill -0 $srv 2>/dev/null || break; sleep 1; done
 kill -KILL -- -$srv 2>/dev/null
 cp /tmp/serve_flash_*.log "$R/" 2>/dev/null
-python3 -c 'import json; d=json.load(open("'"$R"'/soak.json")); print({k: d.get(k) for k in ("requests","errors","latency_s","ttft_s","gpu_memory_growth_mib","memory_flat","greedy_identical")})'
+python3 -c 'import json; d=json.load(open("'"$R"'/soak.json")); print({k: d.get(k) for k in ("requests","errors","latency_s","ttft_s","gpu_memory_growth_mib","memory_flat","greedy_identical","greedy_verdict","greedy_cached_tokens")})'
 bundle serve_soak
