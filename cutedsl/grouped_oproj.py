@@ -53,6 +53,7 @@ def inverse_rope_into(
 
 class Nvfp4GroupedOproj(Runner):
     kind = "grouped_oproj"
+    checkpoint_tensors = ("weight", "weight_scale")
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ from cutedsl.runner import Runner, check_tensor, scalar_f32
 
 class Nvfp4Linear(Runner):
     kind = "linear"
+    checkpoint_tensors = ("weight", "weight_scale")
 
     def __init__(
         self,

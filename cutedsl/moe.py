@@ -166,6 +166,7 @@ def combine(
 
 class Nvfp4MoE(Runner):
     kind = "moe"
+    checkpoint_tensors = ("w13", "w13_scale", "w2", "w2_scale")
 
     def __init__(
         self,

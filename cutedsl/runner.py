@@ -72,11 +72,19 @@ class Runner:
     backend: str
     device: torch.device
     out_dtype: torch.dtype = torch.bfloat16
+    # The checkpoint-layout tensors only `_reference` reads. A GPU backend's impl prepares its
+    # own copies when it is built; the runner then lets go of these, so that once the caller
+    # drops its references too (`cutedsl.vllm.linear_kernel.install_runner`) the weights are not
+    # held twice.
+    checkpoint_tensors: tuple[str, ...] = ()
 
     def _setup(self, device: torch.device, backend: str | None) -> None:
         self.device = device
         self.backend = select_backend(device, backend)
         self._impl = self._make_impl(self.backend)
+        if self.backend != "reference":
+            for name in self.checkpoint_tensors:
+                setattr(self, name, None)
         self.id = ops.register(self)
 
     def _make_impl(self, backend: str):

@@ -16,6 +16,7 @@ from cutedsl.runner import Runner, check_tensor, scalar_f32
 
 class Nvfp4SharedMlp(Runner):
     kind = "shared_mlp"
+    checkpoint_tensors = ("w13", "w13_scale", "w2", "w2_scale")
 
     def __init__(
         self,

@@ -68,3 +68,33 @@ def no_reserve(monkeypatch: pytest.MonkeyPatch):
     with monkeypatch.context() as mp:
         mp.setattr(Workspace, "reserve", refuse)
         yield
+
+
+def sm90_launch_emulator(splits: list | None = None):
+    """A stand-in for `cutedsl.sm90._launch` on the CPU: out3[l] = a3[l] · dequant(wp[l])ᵀ (dense /
+    groups), or per expert rows [offs[e], offs[e+1]) of a3[0] (MoE; rows outside the experts are
+    left untouched), from the host model of the kernel's weight decode. Split-K tactics fetch the
+    "splitk" / "splitk.sem" views of the workspace (they must be reserved, the counters zero) and
+    are appended to `splits` as (tactic, workspace given)."""
+    from cutedsl import sm90
+
+    def launch(a3, wp, out3, offs, tactic, ws=None):
+        w = sm90.dequantize_prepared(wp)  # [L, N, K] fp32
+        if offs is None:
+            res = torch.einsum("lmk,lnk->lmn", a3.float(), w)
+            tac = tactic or sm90.launch_tactic(a3.shape[1], wp.n, wp.k, wp.groups, False)
+            if tac[2] > 1:
+                if splits is not None:
+                    splits.append((tac, ws is not None))
+                la, m, n = out3.shape
+                ws.get("splitk", sm90.splitk_shape(la, tac[2], m, n), torch.float32)
+                sem = ws.get("splitk.sem", (sm90.splitk_counters(la, m, n, *tac[:2]),), torch.int32)
+                assert not sem.any(), "split-K counters must start at zero"
+            out3.copy_(res)
+            return
+        o = offs.tolist()
+        for e in range(wp.groups):
+            s, t = o[e], o[e + 1]
+            out3[0, s:t] = (a3[0, s:t].float() @ w[e].T).to(out3.dtype)
+
+    return launch

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nvfp4_data import assert_close_to_ref, bf16, fresh_gen, quantized
+from nvfp4_data import assert_close_to_ref, bf16, fresh_gen, quantized, sm90_launch_emulator
 from nvfp4_data import no_reserve as _no_reserve
 from nvfp4_data import warm_and_poison as _warm
 
@@ -36,26 +36,7 @@ def emulated_launch(monkeypatch: pytest.MonkeyPatch) -> list:
     monkeypatch.setattr(workspace, "_SHARED", {})
     monkeypatch.setattr(sm90, "warmup", lambda tactics: None)
     splits: list = []
-
-    def launch(a3, wp, out3, offs, tactic, ws=None):
-        w = sm90.dequantize_prepared(wp)  # [L, N, K] fp32 (host model of the kernel decode)
-        if offs is None:
-            res = torch.einsum("lmk,lnk->lmn", a3.float(), w)
-            tac = tactic or sm90.launch_tactic(a3.shape[1], wp.n, wp.k, wp.groups, False)
-            if tac[2] > 1:
-                splits.append((tac, ws is not None))
-                la, m, n = out3.shape  # the kernel's scratch must be reserved: fetch it
-                ws.get("splitk", sm90.splitk_shape(la, tac[2], m, n), torch.float32)
-                sem = ws.get("splitk.sem", (sm90.splitk_counters(la, m, n, *tac[:2]),), torch.int32)
-                assert not sem.any(), "split-K counters must start at zero"
-            out3.copy_(res)
-            return
-        o = offs.tolist()
-        for e in range(wp.groups):
-            s, t = o[e], o[e + 1]
-            out3[0, s:t] = (a3[0, s:t].float() @ w[e].T).to(out3.dtype)
-
-    monkeypatch.setattr(sm90, "_launch", launch)
+    monkeypatch.setattr(sm90, "_launch", sm90_launch_emulator(splits))
     return splits
 
 
@@ -241,3 +222,32 @@ def test_moe_strided_operands(emulated_launch, monkeypatch) -> None:
     ref = torch.full((m, h), float("nan"), dtype=torch.bfloat16)
     impl(x, ids, tw.contiguous(), ref)
     assert torch.equal(out, ref)
+
+
+def test_gpu_backend_runners_hold_only_their_prepared_weights(emulated_launch, monkeypatch) -> None:
+    """Built for the sm90 backend, a runner lets go of its checkpoint-layout tensors (only the
+    reference backend reads them) and still computes the reference result from its prepared
+    copies: once vLLM's layer drops its own references, the weights are held once, not twice."""
+    import cutedsl.runner
+
+    monkeypatch.setattr(cutedsl.runner, "select_backend", lambda device, backend: "sm90")
+    g = fresh_gen()
+    h, i, e, k, m = 128, 64, 4, 2, 5
+    wl, w13, w2 = quantized(64, h, gen=g), quantized(2 * i, h, gen=g), quantized(h, i, gen=g)
+    ew13, ew2 = quantized(e, 2 * i, h, gen=g), quantized(e, h, i, gen=g, scale=0.3)
+    lin = Nvfp4Linear(*wl)
+    mlp = Nvfp4SharedMlp(*w13, None, *w2, None, swiglu_limit=LIMIT)
+    moe = Nvfp4MoE(*ew13, None, *ew2, None, swiglu_limit=LIMIT)
+    opj = Nvfp4GroupedOproj(*quantized(2 * 64, h, gen=g), n_groups=2)
+    for r in (lin, mlp, moe, opj):
+        assert r.backend == "sm90" and r.checkpoint_tensors
+        for name in r.checkpoint_tensors:
+            assert getattr(r, name) is None, f"{type(r).__name__}.{name} still held"
+        r.warmup(m)
+    x = bf16(m, h, gen=g, scale=2.0)
+    assert_close_to_ref(lin(x), reference.nvfp4_linear_ref(x, *wl))
+    assert_close_to_ref(mlp(x), reference.nvfp4_shared_mlp_ref(x, *w13, *w2, LIMIT))
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
+    tw, out = torch.rand(m, k, generator=g), torch.full((m, h), float("nan"), dtype=torch.bfloat16)
+    moe(x, ids, tw, out)
+    assert_close_to_ref(out, reference.nvfp4_moe_ref(x, ids, tw, *ew13, *ew2, LIMIT))

@@ -13,11 +13,16 @@ checkpoint-layout tensors:
   - any other layer (fused_wqa_wkv, wq_b, wo_b, indexer wq_b) -> `Nvfp4Linear`.
 Layer attributes read (set by `ModelOptNvFp4LinearMethod.process_weights_after_loading`):
 weight u8 [N, K//2], weight_scale e4m3 [N, K//16], weight_global_scale fp32 (), input_global_scale
-fp32 (). The runner keeps references to them; its backend (sm100 / sm90 / reference) follows
-the device and $CUTEDSL_BACKEND (`cutedsl.backends`).
+fp32 (). The runner's backend (sm100 / sm90 / reference) follows the device and
+$CUTEDSL_BACKEND (`cutedsl.backends`). A GPU backend repacks the weights into its own layout at
+load; `install_runner` then turns the layer's weight and weight_scale into zero-stride
+placeholders (`release_checkpoint_tensors`), so they are not held twice. The reference backend
+reads the checkpoint tensors at every call: they stay.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from vllm.model_executor.kernels.linear.nvfp4.base import (
@@ -40,11 +45,33 @@ def max_tokens() -> int:
     return get_current_vllm_config().scheduler_config.max_num_batched_tokens
 
 
-def install_runner(layer: torch.nn.Module, runner, max_tokens: int) -> None:
-    """Keep `runner` on its layer (the ops registry holds runners weakly) and compile its kernels
-    now, at load time, for up to `max_tokens` rows: never during CUDA-graph capture."""
+def release_checkpoint_tensors(runner, tensors: Iterable[torch.Tensor]) -> int:
+    """Once `runner` runs a GPU backend (its impl holds its own prepared copies and the runner has
+    let go of the checkpoint layout, `Runner.checkpoint_tensors`), make each of `tensors` (the
+    layer's parameters it was built from) a zero-stride placeholder of the same shape, dtype and
+    device: one element of storage. vLLM reads only their shapes from here on (the MoE modular
+    kernel's problem size); upstream's own NVFP4 / MXFP4 methods likewise replace or delete the
+    checkpoint tensors after repacking. Nothing for the reference backend, which reads them at
+    every call. Returns the bytes of storage the layer no longer references."""
+    if runner.backend == "reference":
+        return 0
+    freed = 0
+    for t in tensors:
+        if t.numel() > 1 and any(s != 0 for s in t.stride()):
+            freed += t.untyped_storage().nbytes()
+            t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
+    return freed
+
+
+def install_runner(
+    layer: torch.nn.Module, runner, max_tokens: int, release: Iterable[torch.Tensor] = ()
+) -> None:
+    """Keep `runner` on its layer (the ops registry holds runners weakly), compile its kernels
+    now, at load time, for up to `max_tokens` rows (never during CUDA-graph capture), and let go
+    of the checkpoint-layout tensors in `release` (`release_checkpoint_tensors`)."""
     setattr(layer, RUNNER_ATTR, runner)
     runner.warmup(max_tokens)
+    release_checkpoint_tensors(runner, release)
 
 
 class CuTeDSLNvFp4LinearKernel(NvFp4LinearKernel):
@@ -77,7 +104,7 @@ class CuTeDSLNvFp4LinearKernel(NvFp4LinearKernel):
             from cutedsl.linear import Nvfp4Linear
 
             runner = Nvfp4Linear(*args)
-        install_runner(layer, runner, self.max_tokens)
+        install_runner(layer, runner, self.max_tokens, (layer.weight, layer.weight_scale))
 
     def apply_weights(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None

@@ -68,9 +68,9 @@ class CuTeDSLMoEExperts(mk.FusedMoEExpertsModular):
             layer.w2_weight_scale_2.data, layer.w2_input_scale.data,
             swiglu_limit=self.swiglu_limit,
         )  # fmt: skip
-        install_runner(
-            layer, self.runner, layer.vllm_config.scheduler_config.max_num_batched_tokens
-        )
+        release = (layer.w13_weight, layer.w13_weight_scale, layer.w2_weight, layer.w2_weight_scale)
+        max_tokens = layer.vllm_config.scheduler_config.max_num_batched_tokens
+        install_runner(layer, self.runner, max_tokens, release)
 
     @staticmethod
     def activation_format() -> mk.FusedMoEActivationFormat:

@@ -58,7 +58,8 @@ class CuTeDSLSharedMlpMethod(QuantizeMethodBase):
             _global_scale(dn, "input_scale", "input_global_scale"),
             swiglu_limit=self.swiglu_limit,
         )
-        install_runner(layer, runner, self.max_tokens)
+        release = (gu.weight, gu.weight_scale, dn.weight, dn.weight_scale)
+        install_runner(layer, runner, self.max_tokens, release)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         runner = getattr(layer, RUNNER_ATTR)
