@@ -37,12 +37,11 @@ if [ "${FLASH_CKPTS:-1}" = 1 ]; then
     done
 fi
 wait "${pids[@]}"
-# START_FLASH=1: start the two flash-layers servers of scripts/h200/serve_bench.sh now (they outlive
-# this call), so their compile and graph capture overlap the gap before serve_bench.sh 1.
-if [ "${START_FLASH:-0}" = 1 ] && [ -f /tmp/ckpt/flash-nvfp4/config.json ] \
-    && [ -f /tmp/ckpt/flash-native/config.json ]; then
+# START_FLASH=1: start our flash-layers server of scripts/h200/serve_bench.sh now (it outlives this
+# call), so its compile and graph capture overlap the gap before serve_bench.sh 1. Not upstream's:
+# serve_bench.sh starts it after the soak, which must have the GPU to itself.
+if [ "${START_FLASH:-0}" = 1 ] && [ -f /tmp/ckpt/flash-nvfp4/config.json ]; then
     start_flash ours
-    start_flash upstream
 fi
 for fmt in ${formats//,/ }; do grep -h "^\[baseline\]" "$R/e2e_$fmt.log" | sed "s/^/$fmt /"; done
 tail -n 3 "$R/gpu_tests.log" 2>/dev/null

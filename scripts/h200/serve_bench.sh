@@ -2,12 +2,15 @@
 # On the H200, issue 9, as two device calls of under 580 s each, back to back (the machine goes
 # back 30 s after a call; the servers started by call 1 outlive it: setsid):
 #   call 1: bash scripts/h200/serve_bench.sh 1
-#     start both flash-layers servers (ours: port 8001, full NVFP4, our overlay; upstream: port
-#     8002, pristine vLLM 0.21.0 on the native FP8/MXFP4 checkpoint of the same seed; env.sh's
-#     start_flash: the same flags for both), wait for ours, OpenAI client checks on ours
-#     (bench/openai_smoke.py: completions and chat, streamed and not), soak ours (bench/soak.py: 64 clients,
-#     SOAK_S = 300 s, mixed lengths, greedy cold/cached/after check, its GPU memory), then
-#     benchmark points while time is left.
+#     generate the flash-layers checkpoints if missing, start our server (port 8001, full NVFP4,
+#     our overlay; env.sh's start_flash), wait for it, OpenAI client checks on it
+#     (bench/openai_smoke.py: completions and chat, streamed and not), then the soak (bench/soak.py:
+#     64 clients, SOAK_S = 300 s, mixed lengths, greedy cold/cached/after check, its GPU memory)
+#     ALONE on the GPU; only then start upstream (port 8002, pristine vLLM 0.21.0 on the native
+#     FP8/MXFP4 checkpoint of the same seed, the same flags). (2026-12-03: a soak that overlapped
+#     upstream's 8.75-minute start had client time-outs and a TTFT p99 of 62 s.) When our server is
+#     not ready in time for a full soak, the call says so and exits 1: run it again (the server
+#     keeps starting; a finished soak is not repeated).
 #   call 2: bash scripts/h200/serve_bench.sh 2
 #     the benchmark points not yet ok (`vllm bench serve` through bench/serve_bench.py, ours then
 #     upstream per point), keeping RESERVE_S for the GPU profiles of both servers
@@ -56,6 +59,16 @@ sys.exit(0 if any(r.get("requested_shape") == sys.argv[2] and r.get("concurrency
                   and r.get("status") == "ok" for r in runs) else 1)' "$@"
 }
 
+soak_ok() {  # 0 when $STATE/soak.json holds a finished soak of at least SOAK_S seconds
+    python3 -c '
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except (OSError, ValueError):
+    sys.exit(1)
+sys.exit(0 if d.get("duration_s", 0) >= float(sys.argv[2]) else 1)' "$STATE/soak.json" "$SOAK_S"
+}
+
 run_points() {  # run_points RESERVE: the points not yet ok, ours then upstream, while time is left
     # (ours starts a point only when both fit, so that what runs comes in pairs)
     local reserve=$1 point shape c n label port t est need
@@ -91,41 +104,45 @@ device_info
 make_ours >"$R/make_ours.log" 2>&1 || { cat "$R/make_ours.log"; finish; exit 1; }
 
 if [ "$PHASE" = 1 ]; then
-    for f in /tmp/ckpt/flash-nvfp4/config.json /tmp/ckpt/flash-native/config.json; do
-        [ -f $f ] || { note "missing $f"; finish; exit 1; }
+    for f in nvfp4 native; do  # the flash-layers checkpoints (also made by e2e.sh)
+        [ -f "/tmp/ckpt/flash-$f/config.json" ] && continue
+        step "gen_flash_$f" 120 python3 -m cutedsl.tools.tiny_model "/tmp/ckpt/flash-$f" \
+            --preset flash-layers --format "$f" --device cuda --force \
+            || { note "gen_flash_$f failed"; finish; exit 1; }
     done
     start_flash ours
-    start_flash upstream
-    if ! wait_flash ours $(( $(left) - 120 )); then
-        note "ours (8001) not healthy"; tail -n 80 /tmp/serve_flash_ours.log; finish; exit 1
-    fi
-    note "ours healthy; upstream healthy: $(healthy 8002 && echo yes || echo no)"
-    step openai_smoke 60 python3 "$REPO/bench/openai_smoke.py" --url http://127.0.0.1:8001 \
-        --model flash --out "$STATE/openai_smoke.json"
-    tail -n 3 "$R/openai_smoke.log" | tee -a "$OUT/summary.txt"
-    up_note="upstream server (8002) already healthy (idle) during the soak"
-    healthy 8002 || up_note="upstream server (8002) was starting (compile, CUDA-graph capture) on the same GPU during the soak"
-    soak_s=$(( $(left) - 75 ))
-    [ $soak_s -gt "$SOAK_S" ] && soak_s=$SOAK_S
-    [ $soak_s -lt "$SOAK_S" ] && note "soak shortened to $soak_s s (the budget)"
-    step soak $(( $(left) - 15 )) python3 "$REPO/bench/soak.py" --url http://127.0.0.1:8001 \
-        --model flash --clients 64 --duration "$soak_s" --vocab 1000 --timeout 90 --drain-timeout 40 \
-        --server-pid "$(cat /tmp/serve_flash_ours.pid)" --prompt-tokens-details --out "$STATE/soak.json"
-    python3 - "$STATE/soak.json" "$up_note" <<'PY'
+    if ! soak_ok; then
+        if ! wait_flash ours $(( $(left) - SOAK_S - 40 )); then
+            note "ours (8001) not healthy yet: run phase 1 again (the server keeps starting)"
+            tail -n 40 /tmp/serve_flash_ours.log; finish; exit 1
+        fi
+        note "ours healthy; upstream: $(healthy 8002 && echo healthy || echo not started)"
+        step openai_smoke 60 python3 "$REPO/bench/openai_smoke.py" --url http://127.0.0.1:8001 \
+            --model flash --out "$STATE/openai_smoke.json"
+        tail -n 3 "$R/openai_smoke.log" | tee -a "$OUT/summary.txt"
+        if [ "$(left)" -lt $((SOAK_S + 45)) ]; then
+            note "soak not started ($(left) s left < $((SOAK_S + 45)) s): run phase 1 again"
+            finish; exit 1
+        fi
+        # Alone on the GPU: no other server compiling or capturing graphs meanwhile.
+        step soak $((SOAK_S + 45)) python3 "$REPO/bench/soak.py" --url http://127.0.0.1:8001 \
+            --model flash --clients 64 --duration "$SOAK_S" --vocab 1000 --timeout 90 \
+            --drain-timeout 30 --server-pid "$(cat /tmp/serve_flash_ours.pid)" \
+            --prompt-tokens-details --out "$STATE/soak.json"
+        python3 - "$STATE/soak.json" <<'PY'
 import json, sys
-p, note = sys.argv[1], sys.argv[2]
 try:
-    d = json.load(open(p))
+    d = json.load(open(sys.argv[1]))
 except (OSError, ValueError):
     sys.exit(0)
-d["concurrent_on_machine"] = note
-json.dump(d, open(p, "w"), indent=2)
-keys = ("duration_s", "requests", "errors", "latency_s", "gpu_memory_growth_mib", "memory_flat",
-        "greedy_identical", "greedy_verdict", "greedy_verdicts", "greedy_cached_tokens")
-print({k: d.get(k) for k in keys})
+d["concurrent_on_machine"] = "none: the upstream server starts after the soak"
+json.dump(d, open(sys.argv[1], "w"), indent=2)
+keys = ("duration_s", "requests", "errors", "latency_s", "ttft_s", "gpu_memory_growth_mib",
+        "memory_flat", "greedy_verdict", "greedy_cached_tokens")
+print("soak:", {k: d.get(k) for k in keys})
 PY
-    [ -f "$STATE/soak.json" ] && python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("soak:", {k: d.get(k) for k in ("requests","errors","memory_flat","greedy_verdict")})' "$STATE/soak.json" >>"$OUT/summary.txt"
-    run_points 25
+    fi
+    start_flash upstream  # after the soak: it warms up now and in the gap before phase 2
     finish
     exit 0
 fi
