@@ -18,7 +18,7 @@ $(STAMP): requirements.txt
 	rm -f $(VENV)/.cutedsl-pins-* && touch $@
 
 test: setup lint   ## what CI runs: lint, then every CPU test (GPU tests skip with the reason)
-	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests   # sm90/sm100 tests collect and skip with the reason
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests   # gpu/sm90/sm100 tests collect and skip with the reason (tests/conftest.py)
 
 test-cpu: test
 

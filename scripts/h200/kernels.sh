@@ -3,6 +3,8 @@
 # the SM90 GEMM benchmark (every model, every M of the issue) and, with the time left, the tactic
 # sweep on the Flash shapes. Results: $OUT/kernels.tgz (JUnit XML, logs, bench JSON/MD) + summary.
 #   LIMIT=560 bash scripts/h200/kernels.sh
+# SWEEP_SHAPES / SWEEP_MS narrow the sweep, e.g. the routed experts at decode:
+#   SWEEP_SHAPES="routed_w13(E=256),routed_w2(E=256)" SWEEP_MS=64,16,256 bash scripts/h200/kernels.sh
 set -u
 . "$(dirname "$0")/env.sh"
 LIMIT=${LIMIT:-560}
@@ -21,7 +23,8 @@ fi
 left=$((LIMIT - SECONDS - 20))
 if [ $left -gt 40 ]; then
     step bench_sweep $((left + 10)) python3 -m cutedsl.bench.gemm_sm90 --model flash --sweep \
-        --impls ours --ms 1,16,64,256,1024,16384 --time-budget $((left - 15)) \
+        --impls ours --ms "${SWEEP_MS:-1,16,64,256,1024,16384}" --shapes "${SWEEP_SHAPES:-}" \
+        --time-budget $((left - 15)) \
         --json "$R/sm90_gemm_sweep.json" --md "$R/sm90_gemm_sweep.md"
 fi
 cp "$R/sm90_gemm.md" "$OUT/" 2>/dev/null
