@@ -28,8 +28,8 @@ from cutedsl import sm90
 from cutedsl.moe import combine, route, route_reserve, warmup_kernels
 from cutedsl.workspace import Workspace, for_role
 
-# Rows per chunk of the fp32 scratch of the SwiGLU and the MoE combine (bounds that scratch to
-# CHUNK x max(2I, H) fp32 whatever the token count).
+# Rows per chunk of the SwiGLU's fp32 scratch (bounds it to 2 x CHUNK x I fp32 whatever the token
+# count; the MoE combine is a kernel with no scratch).
 CHUNK = 4096
 # Routed rows reserved per token: topk <= 8 (DSv4 uses 6); the tactic warm-up assumes it too.
 MAX_TOPK = 8

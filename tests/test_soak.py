@@ -19,15 +19,22 @@ soak = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(soak)
 
 
+class _JsonHandler(BaseHTTPRequestHandler):
+    """Stub-server base: quiet, and the POSTed JSON body."""
+
+    def log_message(self, *a):
+        pass
+
+    def body(self) -> dict:
+        return json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+
+
 def _server(fail_every: int = 0, drift: bool = False):
     state = {"n": 0}
 
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a):  # quiet
-            pass
-
+    class H(_JsonHandler):
         def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.body()
             state["n"] += 1
             if fail_every and state["n"] % fail_every == 0:
                 self.send_response(500)
@@ -101,12 +108,9 @@ def _cache_server(mode: str):
     state = {"n": 0}
     lock = threading.Lock()
 
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
+    class H(_JsonHandler):
         def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.body()
             key = tuple(body["prompt"])
             with lock:
                 state["n"] += 1
@@ -194,12 +198,9 @@ def test_drain_timeout_cuts_long_requests(tmp_path: Path) -> None:
     open_streams = {"n": 0, "max_after_cut": 0}
     lock = threading.Lock()
 
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
+    class H(_JsonHandler):
         def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.body()
             base = sum(body["prompt"])
             self.send_response(200)
             self.end_headers()

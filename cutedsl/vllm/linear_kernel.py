@@ -45,22 +45,18 @@ def max_tokens() -> int:
     return get_current_vllm_config().scheduler_config.max_num_batched_tokens
 
 
-def release_checkpoint_tensors(runner, tensors: Iterable[torch.Tensor]) -> int:
+def release_checkpoint_tensors(runner, tensors: Iterable[torch.Tensor]) -> None:
     """Once `runner` runs a GPU backend (its impl holds its own prepared copies and the runner has
     let go of the checkpoint layout, `Runner.checkpoint_tensors`), make each of `tensors` (the
     layer's parameters it was built from) a zero-stride placeholder of the same shape, dtype and
     device: one element of storage. vLLM reads only their shapes from here on (the MoE modular
     kernel's problem size); upstream's own NVFP4 / MXFP4 methods likewise replace or delete the
     checkpoint tensors after repacking. Nothing for the reference backend, which reads them at
-    every call. Returns the bytes of storage the layer no longer references."""
+    every call."""
     if runner.backend == "reference":
-        return 0
-    freed = 0
+        return
     for t in tensors:
-        if t.numel() > 1 and any(s != 0 for s in t.stride()):
-            freed += t.untyped_storage().nbytes()
-            t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
-    return freed
+        t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
 
 
 def install_runner(
