@@ -6,8 +6,9 @@
 # MODEL (argument or $MODEL): a checkpoint directory. Without one, the tiny full-NVFP4 checkpoint is
 # generated once into $TINY_DIR (default checkpoints/tiny-nvfp4) and served.
 # Environment: PYTHON (default python3), PORT (8000), VLLM_EXTRA_ARGS (more flags, word-split),
-# TENSOR_PARALLEL_SIZE (1), SERVE_UPSTREAM=1 (serve pristine vLLM for comparisons: the overlay must
-# not be applied; nothing is changed).
+# TENSOR_PARALLEL_SIZE (1), PREWARM_MHC=0 (do not compile vLLM's mHC kernels first),
+# SERVE_UPSTREAM=1 (serve pristine vLLM for comparisons: the overlay must not be applied; nothing
+# is changed).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
@@ -41,6 +42,14 @@ if [ "${SERVE_UPSTREAM:-0}" = 1 ]; then
     [ $rc = 1 ] || { echo "serve.sh: error: SERVE_UPSTREAM=1 but the overlay is applied (apply_patches.sh --check rc=$rc)" >&2; exit 1; }
 else
     PYTHON="$PYTHON" bash "$HERE/apply_patches.sh"
+fi
+
+# vLLM's mHC TileLang kernels compile per split count on first use (~10 s each, stalling the
+# engine mid-serving): compile them into TileLang's disk cache first (cutedsl/tools/prewarm_mhc.py;
+# seconds once they are cached). PREWARM_MHC=0 skips it; a failure only warns.
+if [ "${PREWARM_MHC:-1}" != 0 ]; then
+    "$PYTHON" -m cutedsl.tools.prewarm_mhc "$MODEL" \
+        || echo "serve.sh: warning: prewarm_mhc failed; the server compiles those kernels on first use" >&2
 fi
 
 # The DeepSeek V4 flags of the vLLM recipes: FP8 KV cache (required by the DSv4 attention), the

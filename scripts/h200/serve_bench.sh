@@ -125,20 +125,27 @@ if [ "$PHASE" = 1 ]; then
             finish; exit 1
         fi
         # Alone on the GPU: no other server compiling or capturing graphs meanwhile.
+        log_lines=$(wc -l </tmp/serve_flash_ours.log)
         step soak $((SOAK_S + 45)) python3 "$REPO/bench/soak.py" --url http://127.0.0.1:8001 \
             --model flash --clients 64 --duration "$SOAK_S" --vocab 1000 --timeout 90 \
             --drain-timeout 30 --server-pid "$(cat /tmp/serve_flash_ours.pid)" \
             --prompt-tokens-details --out "$STATE/soak.json"
-        python3 - "$STATE/soak.json" <<'PY'
+        python3 - "$STATE/soak.json" /tmp/serve_flash_ours.log "$log_lines" <<'PY'
 import json, sys
 try:
     d = json.load(open(sys.argv[1]))
 except (OSError, ValueError):
     sys.exit(0)
 d["concurrent_on_machine"] = "none: the upstream server starts after the soak"
+# Kernels the server compiled while the soak ran (each stalls every request in the step).
+new = open(sys.argv[2], errors="replace").read().splitlines()[int(sys.argv[3]):]
+d["server_jit_compiles_during_soak"] = [
+    line[-160:] for line in new
+    if "begins to compile" in line or "JIT compilation during inference" in line
+]
 json.dump(d, open(sys.argv[1], "w"), indent=2)
 keys = ("duration_s", "requests", "errors", "latency_s", "ttft_s", "gpu_memory_growth_mib",
-        "memory_flat", "greedy_verdict", "greedy_cached_tokens")
+        "memory_flat", "greedy_verdict", "greedy_cached_tokens", "server_jit_compiles_during_soak")
 print("soak:", {k: d.get(k) for k in keys})
 PY
     fi

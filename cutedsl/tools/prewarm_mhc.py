@@ -1,0 +1,211 @@
+"""Compile vLLM's token-count-dependent mHC TileLang kernels before a DeepSeek V4 server starts.
+
+    python -m cutedsl.tools.prewarm_mhc MODEL_DIR [--workers N] [--json F]
+
+vLLM 0.21.0's mHC ops (`vllm.model_executor.layers.mhc`) pick a split-K count from the number of
+tokens in the step (`compute_num_split`), and the split count is a compile-time argument of the
+TileLang kernel `mhc_pre_big_fuse_tilelang`: every new split count compiles on first use, about
+10 s each, inside the engine step, stalling every running request. (H200, 2026-12-03: 14 such
+compiles during a 64-client soak gave a TTFT p99 of 62 s and 11 client time-outs.) TileLang
+keeps compiled kernels in its disk cache (TILELANG_CACHE_DIR, default ~/.tilelang/cache), which
+every process on the machine shares, so compiling them once here, in parallel processes, before
+`vllm serve` means the server only loads them.
+
+The token counts come from vLLM's own `compute_num_split` (one per distinct split count, up to the
+first count where it reaches 1, beyond which nothing new compiles) plus the small-batch fused
+path (1 and 8 tokens); the kernel arguments (hidden size, hc_mult, the epsilons, the Sinkhorn
+iterations) from the checkpoint's config.json, as the model passes them. It calls the registered
+vLLM ops (torch.ops.vllm.mhc_pre, mhc_fused_post_pre, mhc_post, hc_head_fused_kernel) on random
+inputs: nothing of vLLM is patched. Needs a CUDA GPU. Exit status 0 when every call ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# config.json keys the DeepSeek V4 decoder layer reads for its mHC calls (vllm deepseek_v4.py).
+CONFIG_KEYS = ("hidden_size", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "rms_norm_eps")
+SMALL_BATCH = (1, 8)  # mhc_fused_post_pre's fused path: < 8 and 8..16 tokens compile apart
+BLOCK_M = 64  # the token tile of vLLM's split-count choice ("these number are from deepgemm")
+BLOCK_K = 64
+
+
+def mhc_config(model_dir: str | Path) -> dict:
+    """The mHC arguments of one checkpoint, from its config.json; a clear error when absent."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"prewarm_mhc: error: {path} not found") from None
+    except ValueError as e:
+        raise SystemExit(f"prewarm_mhc: error: {path} is not JSON: {e}") from None
+    missing = [k for k in CONFIG_KEYS if k not in cfg]
+    if missing:
+        raise SystemExit(
+            f"prewarm_mhc: error: {path} lacks {missing} (not a DeepSeek V4 config with mHC)"
+        )
+    return {k: cfg[k] for k in CONFIG_KEYS}
+
+
+def token_counts(num_split: Callable[[int], int], limit: int = 1 << 20) -> list[int]:
+    """One token count per distinct split count of `num_split(grid)` (grid = token tiles of
+    BLOCK_M), the largest count of each run of equal splits, walking grids until the split count
+    reaches 1; then the small-batch counts. Sorted, distinct."""
+    counts: dict[int, int] = {}
+    grid = 1
+    while grid * BLOCK_M <= limit:
+        s = num_split(grid)
+        counts[s] = grid * BLOCK_M  # the last grid of this split count seen so far
+        if s <= 1:
+            break
+        grid += 1
+    else:
+        raise RuntimeError(f"split count never reached 1 up to {limit} tokens")
+    return sorted(set(counts.values()) | set(SMALL_BATCH))
+
+
+def _vllm_num_split(hc_hidden: int) -> Callable[[int], int]:
+    from vllm.model_executor.layers.mhc import compute_num_split
+
+    return lambda grid: compute_num_split(BLOCK_K, hc_hidden, grid)
+
+
+def _run_counts(cfg: dict, counts: list[int], done: mp.Queue | None) -> None:
+    """Call each mHC op once per token count (compiling or loading its kernels)."""
+    import torch
+    import vllm.model_executor.layers.mhc  # noqa: F401  registers torch.ops.vllm.mhc_*
+
+    h, hc = cfg["hidden_size"], cfg["hc_mult"]
+    hc3 = (2 + hc) * hc
+    eps, hc_eps, iters = cfg["rms_norm_eps"], cfg["hc_eps"], cfg["hc_sinkhorn_iters"]
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, dtype=torch.float32, scale=1.0):
+        return (torch.randn(shape, generator=g, device=dev) * scale).to(dtype)
+
+    fn, base, scale = rnd(hc3, hc * h, scale=0.01), rnd(hc3), rnd(3)
+    head_fn, head_base, head_scale = rnd(hc, hc * h, scale=0.01), rnd(hc), rnd(1)
+    for t in counts:
+        res = rnd(t, hc, h, dtype=torch.bfloat16)
+        post, comb, x = torch.ops.vllm.mhc_pre(
+            res, fn, scale, base, eps, hc_eps, hc_eps, 2.0, iters
+        )
+        x = x.clone()
+        torch.ops.vllm.mhc_fused_post_pre(
+            x, res, post, comb, fn, scale, base, eps, hc_eps, hc_eps, 2.0, iters
+        )
+        torch.ops.vllm.mhc_post(x, res, post, comb)
+        out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+        torch.ops.vllm.hc_head_fused_kernel(
+            res, head_fn, head_scale, head_base, out, h, eps, hc_eps, hc
+        )
+        torch.cuda.synchronize()
+        if not torch.isfinite(out).all():
+            raise RuntimeError(f"hc_head_fused_kernel gave non-finite values at {t} tokens")
+        if done is not None:
+            done.put(t)
+
+
+def _worker(cfg: dict, counts: list[int], done: mp.Queue, errors: mp.Queue) -> None:
+    try:
+        _run_counts(cfg, counts, done)
+    except BaseException as e:  # reported by the parent, with the counts this worker had
+        errors.put(f"counts {counts}: {type(e).__name__}: {e}"[:2000])
+        raise SystemExit(1) from None
+
+
+def split_work(counts: list[int], workers: int) -> list[list[int]]:
+    """Round-robin from the largest count (the largest tensors and, usually, the slowest calls)."""
+    order = sorted(counts, reverse=True)
+    parts = [order[i::workers] for i in range(max(1, min(workers, len(order))))]
+    return [p for p in parts if p]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="checkpoint directory (its config.json gives the mHC arguments)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+        help="parallel processes (each compiles its own token counts; default: half the CPUs, <= 8)",
+    )
+    ap.add_argument("--json", default="", help="write the counts and timings here")
+    a = ap.parse_args(argv)
+    cfg = mhc_config(a.model)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "prewarm_mhc: error: no CUDA GPU is visible (the kernels compile for it)",
+            file=sys.stderr,
+        )
+        return 1
+    counts = token_counts(_vllm_num_split(cfg["hc_mult"] * cfg["hidden_size"]))
+    parts = split_work(counts, a.workers)
+    cache = os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
+    print(
+        f"prewarm_mhc: {len(counts)} token counts {counts} in {len(parts)} processes "
+        f"(hidden {cfg['hidden_size']}, hc_mult {cfg['hc_mult']}; TileLang cache {cache})",
+        flush=True,
+    )
+    from tqdm import tqdm
+
+    t0 = time.monotonic()
+    ctx = mp.get_context("spawn")
+    done, errors = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(cfg, p, done, errors)) for p in parts]
+    for p in procs:
+        p.start()
+    with tqdm(total=len(counts), desc="prewarm_mhc", unit="count") as bar:
+        finished = 0
+        while finished < len(counts):
+            try:
+                done.get(timeout=1.0)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break  # a worker failed: its error is in `errors`
+                continue
+            finished += 1
+            bar.update(1)
+    for p in procs:
+        p.join()
+    failed = []
+    while not errors.empty():
+        failed.append(errors.get())
+    failed += [f"process exit code {p.exitcode}" for p in procs if p.exitcode and not failed]
+    seconds = round(time.monotonic() - t0, 1)
+    if a.json:
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "config": cfg,
+                    "token_counts": counts,
+                    "workers": len(parts),
+                    "seconds": seconds,
+                    "ok": not failed,
+                    "errors": failed,
+                },
+                indent=2,
+            )
+        )
+    if failed:
+        for f in failed:
+            print(f"prewarm_mhc: error: {f}", file=sys.stderr)
+        return 1
+    print(f"prewarm_mhc: {len(counts)} token counts ready in {seconds} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

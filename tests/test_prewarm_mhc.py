@@ -1,0 +1,80 @@
+"""cutedsl.tools.prewarm_mhc on the CPU: which token counts it compiles, its config errors, and
+that serve.sh runs it. (The compiles themselves need a GPU: scripts/h200 serve runs.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cutedsl.tools import prewarm_mhc as pw
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def vllm_formula(n_sms: int, hc_hidden: int):
+    """vLLM 0.21.0's compute_num_split(64, hc_hidden, grid), restated without a GPU."""
+
+    def split(grid: int) -> int:
+        s = n_sms // grid
+        s = min(s, (hc_hidden // 64) // 4)
+        return max(s, 1)
+
+    return split
+
+
+@pytest.mark.parametrize("n_sms,hidden", [(132, 4096), (148, 7168), (132, 2048), (16, 512)])
+def test_every_split_count_gets_one_token_count(n_sms: int, hidden: int) -> None:
+    split = vllm_formula(n_sms, 4 * hidden)
+    counts = pw.token_counts(split)
+    assert counts == sorted(set(counts))
+    assert set(pw.SMALL_BATCH) <= set(counts)
+    # every split count any token count up to 64K tokens can produce is covered
+    reachable = {split(-(-t // pw.BLOCK_M)) for t in range(17, 65536, 7)}
+    covered = {split(-(-t // pw.BLOCK_M)) for t in counts if t > 16}
+    assert reachable == covered
+    assert len([t for t in counts if t > 16]) == len(covered)  # one count per split count
+    assert split(-(-max(counts) // pw.BLOCK_M)) == 1
+
+
+def test_token_counts_refuses_a_split_that_never_ends() -> None:
+    with pytest.raises(RuntimeError, match="never reached 1"):
+        pw.token_counts(lambda grid: 2, limit=4096)
+
+
+def test_split_work_covers_each_count_once() -> None:
+    counts = [1, 8, 64, 128, 192, 256, 4288]
+    for workers in (1, 3, 7, 20):
+        parts = pw.split_work(counts, workers)
+        assert len(parts) == min(workers, len(counts))
+        assert sorted(t for p in parts for t in p) == counts
+        assert parts[0][0] == max(counts)
+
+
+def test_config_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="config.json not found"):
+        pw.mhc_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="is not JSON"):
+        pw.mhc_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "hc_mult": 4}))
+    with pytest.raises(
+        SystemExit, match=r"lacks \['hc_sinkhorn_iters', 'hc_eps', 'rms_norm_eps'\]"
+    ):
+        pw.mhc_config(tmp_path)
+
+
+def test_reads_the_tiny_model_config(tmp_path: Path) -> None:
+    from cutedsl.tools.tiny_model import make_config
+
+    cfg = make_config("tiny", "nvfp4")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    got = pw.mhc_config(tmp_path)
+    assert got == {k: cfg[k] for k in pw.CONFIG_KEYS}
+
+
+def test_serve_script_prewarms_before_vllm_serve() -> None:
+    text = (REPO / "scripts" / "serve.sh").read_text()
+    assert text.index("cutedsl.tools.prewarm_mhc") < text.index("vllm.entrypoints.cli.main serve")
+    assert "PREWARM_MHC:-1" in text
