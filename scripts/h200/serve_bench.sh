@@ -138,7 +138,7 @@ except (OSError, ValueError):
     sys.exit(0)
 d["concurrent_on_machine"] = "none: the upstream server starts after the soak"
 # Kernels the server compiled while the soak ran (each stalls every request in the step).
-new = open(sys.argv[2], errors="replace").read().splitlines()[int(sys.argv[3]):]
+new = open(sys.argv[2], errors="replace").read().split("\n")[int(sys.argv[3]):]  # as wc -l counts
 d["server_jit_compiles_during_soak"] = [
     line[-160:] for line in new
     if "begins to compile" in line or "JIT compilation during inference" in line
