@@ -11,16 +11,20 @@ branch. The only allocations are the op results (a linear's / the shared MLP's [
 grouped o-proj's [T, G, R]: a torch.library custom op returns new tensors; inside a CUDA graph
 they come from the graph's private pool) and a copy of a non-contiguous input. Every
 intermediate (split-K fp32 buffers, the o-proj's per-group operand and output, routing buffers,
-the gathered MoE rows, h, the SwiGLU result and its fp32 scratch, y) is a view of the workspace
+the gathered MoE rows, h, the SwiGLU result, y) is a view of the workspace
 fetched per call; a call with more rows than warmed up raises `cutedsl.workspace.WorkspaceError`.
 Kernel operands keep the layouts the kernels were validated with (contiguous, same strides).
 The routed experts allocate nothing: routing and the weighted combine are our CuTeDSL kernels
 (`cutedsl.moe.route` / `combine`, `cutedsl.kernels.moe_routing`; torch.sort and the fp32
 `index_add_` are gone), and the combine sums each token's topk contributions in slot order
-without atomics, so the MoE output is the same bit for bit on every run.
+without atomics, so the MoE output is the same bit for bit on every run. The clamped SwiGLU
+between the two GEMMs (shared and routed) is one CuTeDSL kernel on CUDA (`swiglu_clamp`,
+`cutedsl.kernels.swiglu`) and the fp32 torch statement `swiglu_clamp_bf16` elsewhere.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -28,8 +32,8 @@ from cutedsl import sm90
 from cutedsl.moe import combine, route, route_reserve, warmup_kernels
 from cutedsl.workspace import Workspace, for_role
 
-# Rows per chunk of the SwiGLU's fp32 scratch (bounds it to 2 x CHUNK x I fp32 whatever the token
-# count; the MoE combine is a kernel with no scratch).
+# Rows per chunk of the CPU SwiGLU's fp32 scratch (bounds it to 2 x CHUNK x I fp32 whatever the
+# token count; on CUDA the SwiGLU and the MoE combine are kernels with no scratch).
 CHUNK = 4096
 # Routed rows reserved per token: topk <= 8 (DSv4 uses 6); the tactic warm-up assumes it too.
 MAX_TOPK = 8
@@ -74,16 +78,55 @@ def swiglu_clamp_bf16(
     return out
 
 
+_SWIGLU: dict[float | None, object] = {}
+_SWIGLU_LOCK = threading.Lock()
+
+
+def _swiglu_kernel(limit: float | None) -> object:
+    """The compiled `cutedsl.kernels.swiglu` kernel for one limit (M and I are dynamic)."""
+    fn = _SWIGLU.get(limit)
+    if fn is None:
+        with _SWIGLU_LOCK:
+            fn = _SWIGLU.get(limit)
+            if fn is None:
+                from cutedsl.kernels.swiglu import compile_swiglu
+
+                fn = _SWIGLU[limit] = compile_swiglu(limit)
+    return fn
+
+
+def swiglu_clamp(h: torch.Tensor, limit: float | None, out: torch.Tensor) -> torch.Tensor:
+    """`swiglu_clamp_bf16` on CUDA as one CuTeDSL kernel (no fp32 scratch, no allocation):
+    h bf16 [M, 2I] (gate | up), out bf16 [M, I], both contiguous and 16-byte aligned, I % 8 == 0."""
+    m, i2 = h.shape
+    if h.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+        raise ValueError(f"swiglu: h {h.dtype} and out {out.dtype} must be bfloat16")
+    if i2 % 16 or out.shape != (m, i2 // 2):
+        raise ValueError(
+            f"swiglu: h {tuple(h.shape)} needs 2I with I % 8 == 0 and out [M, I], got out {tuple(out.shape)}"
+        )
+    for name, t in (("h", h), ("out", out)):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"swiglu: {name} must be contiguous and 16-byte aligned")
+    if m:
+        _swiglu_kernel(limit)(h, out)
+    return out
+
+
 def _mlp_reserve(ws: Workspace, rows: int, i: int) -> None:
     ws.reserve("h", (rows, 2 * i), torch.bfloat16)
     ws.reserve("s", (rows, i), torch.bfloat16)
-    ws.reserve("f32", (2, min(rows, CHUNK), i), torch.float32)
+    if ws.device.type != "cuda":  # the torch statement's scratch; CUDA runs the kernel
+        ws.reserve("f32", (2, min(rows, CHUNK), i), torch.float32)
 
 
 def _swiglu(ws: Workspace, h: torch.Tensor, limit: float | None) -> torch.Tensor:
     m, i = h.shape[0], h.shape[1] // 2
+    out = ws.get("s", (m, i), torch.bfloat16)
+    if h.is_cuda:
+        return swiglu_clamp(h, limit, out)
     tmp = ws.get("f32", (2, min(m, CHUNK), i), torch.float32)
-    return swiglu_clamp_bf16(h, limit, ws.get("s", (m, i), torch.bfloat16), tmp)
+    return swiglu_clamp_bf16(h, limit, out, tmp)
 
 
 class _Linear:
@@ -143,6 +186,8 @@ class _SharedMlp:
     def warmup(self, max_tokens: int) -> None:
         t = _tactics(self.wp13.n, self.wp13.k, 1, max_tokens, False)
         sm90.warmup(sorted(t | _tactics(self.wp2.n, self.wp2.k, 1, max_tokens, False)))
+        if self.device.type == "cuda":
+            _swiglu_kernel(self.limit)
         ws = for_role(self.device, "shared")
         _mlp_reserve(ws, max_tokens, self.wp2.k)
         _reserve_splitk(ws, self.wp13, max_tokens)
@@ -187,6 +232,7 @@ class _MoE:
         sm90.warmup(sorted(t))
         if self.device.type == "cuda":
             warmup_kernels()
+            _swiglu_kernel(self.limit)
         ws = for_role(self.device, "main")
         rows, hid = max_tokens * MAX_TOPK, self.wp2.n
         route_reserve(ws, rows, self.e)

@@ -57,6 +57,7 @@ def test_choose_tactic_decode_uses_split_k_and_prefill_big_tiles() -> None:
     assert S.choose_tactic(100, 4096, 8192, 1)[2] > 1  # 32 CTAs: split K
     assert S.choose_tactic(1024, 1536, 4096, 1) == (64, 256, 1)  # small grid: 64-row tiles
     assert S.choose_tactic(1, 256 * 64, 4096, 1, moe=True)[2] == 1
+    assert S.launch_tactic(64 * 6, 4096, 4096, 256, moe=True) == (128, 16, 1)  # the 12-03 sweep
 
 
 def _special_scales(shape: tuple, gen: torch.Generator, dev: str = "cpu") -> torch.Tensor:

@@ -26,4 +26,5 @@ KERNEL_MODULES: tuple[str, ...] = (
     "cutedsl.kernels.gemm_sm100",
     "cutedsl.kernels.quant_sm100",
     "cutedsl.kernels.moe_routing",
+    "cutedsl.kernels.swiglu",
 )

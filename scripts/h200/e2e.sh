@@ -25,7 +25,7 @@ done
 if [ "${GPU_TESTS:-1}" = 1 ]; then
     step gpu_tests "$LIMIT" "${OURS[@]}" python3 -m pytest -q -m "gpu or sm90" -p no:cacheprovider \
         --junitxml="$R/gpu_tests.xml" "$REPO/tests/test_runners_gpu.py" "$REPO/tests/test_gemm_sm90.py" \
-        "$REPO/tests/test_sharding.py" "$REPO/tests/test_moe_routing.py" &
+        "$REPO/tests/test_sharding.py" "$REPO/tests/test_moe_routing.py" "$REPO/tests/test_swiglu_kernel.py" &
     pids+=($!)
 fi
 if [ "${FLASH_CKPTS:-1}" = 1 ]; then

@@ -8,7 +8,7 @@
 set -u
 . "$(dirname "$0")/env.sh"
 LIMIT=${LIMIT:-560}
-TESTS=${TESTS:-"tests/test_gemm_sm90.py tests/test_runners_gpu.py tests/test_sharding.py $(ls tests/test_moe_routing*.py 2>/dev/null)"}
+TESTS=${TESTS:-"tests/test_gemm_sm90.py tests/test_runners_gpu.py tests/test_sharding.py tests/test_moe_routing.py tests/test_swiglu_kernel.py"}
 device_info
 cd "$REPO"
 step gpu_tests "${TEST_LIMIT:-260}" python3 -m pytest -q -m "gpu or sm90" -p no:cacheprovider \
