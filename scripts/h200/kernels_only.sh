@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On a GPU machine staged with the kernels only (shared/device/stage.sh nvidia-cutlass-dsl==4.4.2
+# apache-tvm-ffi==0.1.9: no vLLM), one call: the GPU tests that need no vLLM (GEMMs, runners,
+# routing, SwiGLU, sharding), the SwiGLU bench and the routed-expert GEMM bench.
+# Results under $OUT/r and $OUT/summary.txt.
+set -u
+. ${STAGE_ENV:-/opt/stage/env.sh}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+export PYTHONPATH="$REPO:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+R=$OUT/r
+mkdir -p "$R"
+cd "$REPO"
+step() {  # step NAME TIMEOUT CMD...: run, log to $R/NAME.log, one summary line
+    local name=$1 t=$2 s=$SECONDS rc; shift 2
+    timeout "$t" "$@" >"$R/$name.log" 2>&1; rc=$?
+    echo "$(date -u +%T) $name rc=$rc took=$((SECONDS - s))s (limit ${t}s)" | tee -a "$OUT/summary.txt"
+    return $rc
+}
+{ date -u +%FT%TZ; nvidia-smi -L; python3 -c 'import torch, cutlass; print("torch", torch.__version__, "cutlass-dsl", cutlass.__version__)'; } >"$R/device.txt" 2>&1
+step gpu_tests "${TEST_LIMIT:-300}" python3 -m pytest -q -m "gpu or sm90" -p no:cacheprovider \
+    --junitxml="$R/gpu_tests.xml" tests/test_swiglu_kernel.py tests/test_runners_gpu.py \
+    tests/test_gemm_sm90.py tests/test_moe_routing.py tests/test_sharding.py
+tail -n 4 "$R/gpu_tests.log"
+step bench_swiglu 120 python3 -m cutedsl.bench.swiglu --json "$R/swiglu.json" --md "$R/swiglu.md"
+tail -n 18 "$R/swiglu.md" 2>/dev/null
+step bench_moe 150 python3 -m cutedsl.bench.gemm_sm90 --model flash --impls ours --ms 1,16,64,256 \
+    --shapes "routed_w13(E=256),routed_w2(E=256)" --time-budget 120 \
+    --json "$R/sm90_moe.json" --md "$R/sm90_moe.md"
+grep "routed" "$R/sm90_moe.md" | cut -d'|' -f2-12
