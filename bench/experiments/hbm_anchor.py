@@ -1,32 +1,15 @@
 """One-off H200 experiment (2026-12-03): how much HBM bandwidth do simple torch kernels reach,
 against the `copy_bandwidth_gbps` anchor of cutedsl.bench.gemm_sm90 (1 GiB uint8 d2d copy_)?
-Each: a CUDA graph of 10 calls, median of 5 replays; GB/s = bytes read + written / time."""
+Each: a CUDA graph of 10 calls, median of 5 replays (the GEMM bench's timer); GB/s = bytes read + written / time."""
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 import torch
 
-
-def t_us(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    ts = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / reps)
-    return statistics.median(ts)
+from cutedsl.bench.gemm_sm90 import _graph_time_us
 
 
 def main() -> int:
@@ -50,7 +33,7 @@ def main() -> int:
     }
     out = {}
     for name, (fn, nbytes) in rows.items():
-        us = t_us(fn)
+        us = _graph_time_us([fn], 10)
         out[name] = round(nbytes / us / 1e3, 1)
         print(f"{name}: {us:.1f} us, {out[name]} GB/s", flush=True)
     if len(sys.argv) > 1:
