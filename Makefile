@@ -49,8 +49,9 @@ serve: setup   ## serve MODEL (default: the tiny generated full-NVFP4 checkpoint
 build:   ## the Docker image (FROM vllm/vllm-openai:v0.21.0, overlay applied at build time)
 	docker build -t $(IMAGE) .
 
-run:   ## serve MODEL (a host directory) from the image on all GPUs (TileLang's kernel cache kept in a volume)
-	docker run --rm --gpus all --ipc=host -p 8000:8000 -v dsv4-tilelang-cache:/root/.tilelang $(if $(MODEL),-v $(abspath $(MODEL)):/model:ro -e MODEL=/model) $(IMAGE)
+run:   ## serve MODEL (a host directory) from the image on all GPUs (JIT caches kept in volumes)
+	docker run --rm --gpus all --ipc=host -p 8000:8000 -v dsv4-tilelang-cache:/root/.tilelang \
+		-v dsv4-vllm-cache:/root/.cache/vllm $(if $(MODEL),-v $(abspath $(MODEL)):/model:ro -e MODEL=/model) $(IMAGE)
 
 bench: setup   ## kernel benchmarks (GPU)
 	$(PY) -m cutedsl.bench

@@ -46,7 +46,8 @@ fi
 
 # vLLM's mHC TileLang kernels compile per split count on first use (~10 s each, stalling the
 # engine mid-serving): compile them into TileLang's disk cache first (cutedsl/tools/prewarm_mhc.py;
-# seconds once they are cached). PREWARM_MHC=0 skips it; a failure only warns.
+# seconds once they are cached). PREWARM_MHC=0 skips it; a failure only warns. It runs for
+# SERVE_UPSTREAM=1 too: upstream then serves without the same compile stalls (a fair comparison).
 if [ "${PREWARM_MHC:-1}" != 0 ]; then
     "$PYTHON" -m cutedsl.tools.prewarm_mhc "$MODEL" \
         || echo "serve.sh: warning: prewarm_mhc failed; the server compiles those kernels on first use" >&2

@@ -311,3 +311,13 @@ def test_candidate_tactics_are_valid_and_start_with_the_heuristic():
         for tn, tm, sk in c:
             assert Kern.can_implement(n, k, tn, sk) and tm in S.TILE_M_VERIFIED
             assert not moe or sk == 1
+
+
+def test_bench_runner_gives_each_benchmark_its_own_output_files() -> None:
+    from cutedsl.bench.__main__ import per_bench_outputs
+
+    argv = ["--model", "all", "--json", "r/x.json", "--md=r/x.md", "--ms", "1"]
+    assert per_bench_outputs(argv, "swiglu") == [
+        "--model", "all", "--json", "r/x.swiglu.json", "--md=r/x.swiglu.md", "--ms", "1",
+    ]  # fmt: skip
+    assert per_bench_outputs(["--json", "a.d/out"], "gemm_sm90") == ["--json", "a.d/out.gemm_sm90"]

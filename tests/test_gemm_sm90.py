@@ -316,6 +316,21 @@ def test_moe_offsets(counts: list[int]) -> None:
     _assert_close(out, ref, f"moe {counts}")
 
 
+MOE_TACTICS = [(128, 16, 1), (128, 32, 1), (128, 64, 1), (128, 128, 1), (128, 256, 1),
+               (64, 16, 1), (64, 32, 1)]  # fmt: skip
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("tactic", MOE_TACTICS, ids=[f"n{t[0]}m{t[1]}" for t in MOE_TACTICS])
+def test_moe_every_tile(tactic) -> None:
+    """Every token tile the MoE heuristic can pick, on empty experts, partial tiles and an expert
+    spanning several m tiles (the CTA's m-tile loop)."""
+    wp, offs, a, ref = _moe_case(6, 256, 512, [0, 40, 1, 0, 300, 17])
+    out = _poison(ref.shape)
+    S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out, tactic=tactic)
+    _assert_close(out, ref, f"moe tactic {tactic}")
+
+
 @pytest.mark.sm90
 def test_moe_one_compile_serves_every_routing() -> None:
     """Two routings and two token counts reuse one compiled kernel (no second compile)."""

@@ -58,11 +58,29 @@ def test_config_errors_name_the_file(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(SystemExit, match="is not JSON"):
         pw.mhc_config(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "hc_mult": 4}))
-    with pytest.raises(
-        SystemExit, match=r"lacks \['hc_sinkhorn_iters', 'hc_eps', 'rms_norm_eps'\]"
-    ):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(SystemExit, match="not a DeepSeek V4 config"):
         pw.mhc_config(tmp_path)
+
+
+def test_absent_keys_take_the_hf_config_defaults(tmp_path: Path) -> None:
+    """vLLM reads DSv4's config through transformers' DeepseekV4Config, whose defaults fill the
+    keys a config.json leaves out; the prewarm must compile for the same values."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "deepseek_v4", "hidden_size": 64, "hc_eps": 1e-5})
+    )
+    got = pw.mhc_config(tmp_path)
+    assert got == {"hidden_size": 64, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-5,
+                   "rms_norm_eps": 1e-6}  # fmt: skip
+    from transformers import DeepseekV4Config  # the pinned transformers 5.17.0 has it
+
+    hf = DeepseekV4Config(hidden_size=64, hc_eps=1e-5)
+    assert got == {k: getattr(hf, k) for k in pw.CONFIG_KEYS}
+
+
+def test_bad_worker_count_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        pw.main([str(tmp_path), "--workers", "0"])
 
 
 def test_reads_the_tiny_model_config(tmp_path: Path) -> None:

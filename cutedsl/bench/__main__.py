@@ -20,6 +20,29 @@ def benchmarks() -> list[str]:
     )
 
 
+OUTPUT_FLAGS = ("--json", "--md")
+
+
+def per_bench_outputs(argv: list[str], name: str) -> list[str]:
+    """argv with every --json / --md path made per benchmark (F.json -> F.NAME.json), so that the
+    benchmarks of one run do not overwrite each other's files."""
+    out = []
+    for i, a in enumerate(argv):
+        flag, eq, val = a.partition("=")
+        if eq and flag in OUTPUT_FLAGS:
+            out.append(f"{flag}={_tag(val, name)}")
+        elif i > 0 and argv[i - 1] in OUTPUT_FLAGS:
+            out.append(_tag(a, name))
+        else:
+            out.append(a)
+    return out
+
+
+def _tag(path: str, name: str) -> str:
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem}.{name}.{ext}" if dot and "/" not in ext else f"{path}.{name}"
+
+
 def main(argv: list[str]) -> int:
     names = benchmarks()
     if "--list" in argv:
@@ -33,7 +56,8 @@ def main(argv: list[str]) -> int:
         return 1
     for name in names:
         print(f"== cutedsl.bench.{name}", flush=True)
-        rc = importlib.import_module(f"cutedsl.bench.{name}").main(argv)
+        args = per_bench_outputs(argv, name) if len(names) > 1 else argv
+        rc = importlib.import_module(f"cutedsl.bench.{name}").main(args)
         if rc:
             return rc
     return 0

@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows = run()
     meta = {
-        "command": "python -m cutedsl.bench.swiglu " + " ".join(argv or []),
+        "command": "python -m cutedsl.bench.swiglu "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
         "limit": LIMIT,

@@ -31,8 +31,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# config.json keys the DeepSeek V4 decoder layer reads for its mHC calls (vllm deepseek_v4.py).
+# config.json keys the DeepSeek V4 decoder layer reads for its mHC calls (vllm deepseek_v4.py),
+# and the defaults vLLM's hf_config (transformers 5.17.0 DeepseekV4Config) gives the absent ones.
 CONFIG_KEYS = ("hidden_size", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "rms_norm_eps")
+CONFIG_DEFAULTS = {"hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1.0e-6, "rms_norm_eps": 1.0e-6}
 SMALL_BATCH = (1, 8)  # mhc_fused_post_pre's fused path: < 8 and 8..16 tokens compile apart
 BLOCK_M = 64  # the token tile of vLLM's split-count choice ("these number are from deepgemm")
 BLOCK_K = 64
@@ -47,12 +49,12 @@ def mhc_config(model_dir: str | Path) -> dict:
         raise SystemExit(f"prewarm_mhc: error: {path} not found") from None
     except ValueError as e:
         raise SystemExit(f"prewarm_mhc: error: {path} is not JSON: {e}") from None
-    missing = [k for k in CONFIG_KEYS if k not in cfg]
-    if missing:
+    if cfg.get("model_type") != "deepseek_v4" or "hidden_size" not in cfg:
         raise SystemExit(
-            f"prewarm_mhc: error: {path} lacks {missing} (not a DeepSeek V4 config with mHC)"
+            f"prewarm_mhc: error: {path} is not a DeepSeek V4 config (model_type "
+            f"{cfg.get('model_type')!r}, hidden_size {cfg.get('hidden_size')!r})"
         )
-    return {k: cfg[k] for k in CONFIG_KEYS}
+    return {k: cfg.get(k, CONFIG_DEFAULTS.get(k)) for k in CONFIG_KEYS}
 
 
 def token_counts(num_split: Callable[[int], int], limit: int = 1 << 20) -> list[int]:
@@ -118,8 +120,8 @@ def _run_counts(cfg: dict, counts: list[int], done: mp.Queue | None) -> None:
 def _worker(cfg: dict, counts: list[int], done: mp.Queue, errors: mp.Queue) -> None:
     try:
         _run_counts(cfg, counts, done)
-    except BaseException as e:  # reported by the parent, with the counts this worker had
-        errors.put(f"counts {counts}: {type(e).__name__}: {e}"[:2000])
+    except BaseException as e:  # reported by the parent (the counts not yet done name the failure)
+        errors.put(f"{type(e).__name__}: {e} (this worker's token counts: {counts})"[:2000])
         raise SystemExit(1) from None
 
 
@@ -139,8 +141,16 @@ def main(argv: list[str] | None = None) -> int:
         default=max(1, min(8, (os.cpu_count() or 2) // 2)),
         help="parallel processes (each compiles its own token counts; default: half the CPUs, <= 8)",
     )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="seconds for the whole prewarm; then the workers are stopped and it fails",
+    )
     ap.add_argument("--json", default="", help="write the counts and timings here")
     a = ap.parse_args(argv)
+    if a.workers < 1:
+        ap.error(f"--workers must be >= 1, got {a.workers}")
     cfg = mhc_config(a.model)
 
     import torch
@@ -169,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         p.start()
     with tqdm(total=len(counts), desc="prewarm_mhc", unit="count") as bar:
         finished = 0
+        timed_out = False
         while finished < len(counts):
+            if time.monotonic() - t0 > a.timeout:
+                timed_out = True
+                break
             try:
                 done.get(timeout=1.0)
             except queue.Empty:
@@ -179,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
             finished += 1
             bar.update(1)
     for p in procs:
+        if timed_out:
+            p.terminate()
         p.join()
     failed = []
     while not errors.empty():
         failed.append(errors.get())
-    failed += [f"process exit code {p.exitcode}" for p in procs if p.exitcode and not failed]
+    failed += [f"a worker exited with code {p.exitcode}" for p in procs if p.exitcode]
+    if timed_out:
+        failed.append(f"timed out after {a.timeout:.0f} s with {finished} of {len(counts)} done")
     seconds = round(time.monotonic() - t0, 1)
     if a.json:
         Path(a.json).write_text(

@@ -4,7 +4,7 @@
 # routing, SwiGLU, sharding), the SwiGLU bench and the routed-expert GEMM bench.
 # Results under $OUT/r and $OUT/summary.txt.
 set -u
-. ${STAGE_ENV:-/opt/stage/env.sh}
+. "${STAGE_ENV:-/opt/stage/env.sh}"
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 export PYTHONPATH="$REPO:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -18,13 +18,15 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $R/NAME.log, one summary line
     return $rc
 }
 { date -u +%FT%TZ; nvidia-smi -L; python3 -c 'import torch, cutlass; print("torch", torch.__version__, "cutlass-dsl", cutlass.__version__)'; } >"$R/device.txt" 2>&1
+rc=0
 step gpu_tests "${TEST_LIMIT:-300}" python3 -m pytest -q -m "gpu or sm90" -p no:cacheprovider \
     --junitxml="$R/gpu_tests.xml" tests/test_swiglu_kernel.py tests/test_runners_gpu.py \
-    tests/test_gemm_sm90.py tests/test_moe_routing.py tests/test_sharding.py
+    tests/test_gemm_sm90.py tests/test_moe_routing.py tests/test_sharding.py || rc=1
 tail -n 4 "$R/gpu_tests.log"
-step bench_swiglu 120 python3 -m cutedsl.bench.swiglu --json "$R/swiglu.json" --md "$R/swiglu.md"
+step bench_swiglu 120 python3 -m cutedsl.bench.swiglu --json "$R/swiglu.json" --md "$R/swiglu.md" || rc=1
 tail -n 18 "$R/swiglu.md" 2>/dev/null
 step bench_moe 150 python3 -m cutedsl.bench.gemm_sm90 --model flash --impls ours --ms 1,16,64,256 \
     --shapes "routed_w13(E=256),routed_w2(E=256)" --time-budget 120 \
-    --json "$R/sm90_moe.json" --md "$R/sm90_moe.md"
+    --json "$R/sm90_moe.json" --md "$R/sm90_moe.md" || rc=1
 grep "routed" "$R/sm90_moe.md" | cut -d'|' -f2-12
+exit $rc

@@ -125,7 +125,7 @@ if [ "$PHASE" = 1 ]; then
             finish; exit 1
         fi
         # Alone on the GPU: no other server compiling or capturing graphs meanwhile.
-        log_lines=$(wc -l </tmp/serve_flash_ours.log)
+        log_lines=$(wc -l </tmp/serve_flash_ours.log 2>/dev/null || echo 0)
         step soak $((SOAK_S + 45)) python3 "$REPO/bench/soak.py" --url http://127.0.0.1:8001 \
             --model flash --clients 64 --duration "$SOAK_S" --vocab 1000 --timeout 90 \
             --drain-timeout 30 --server-pid "$(cat /tmp/serve_flash_ours.pid)" \
@@ -138,7 +138,7 @@ except (OSError, ValueError):
     sys.exit(0)
 d["concurrent_on_machine"] = "none: the upstream server starts after the soak"
 # Kernels the server compiled while the soak ran (each stalls every request in the step).
-new = open(sys.argv[2], errors="replace").read().split("\n")[int(sys.argv[3]):]  # as wc -l counts
+new = open(sys.argv[2], errors="replace").read().split("\n")[int(sys.argv[3] or 0):]  # as wc -l counts
 d["server_jit_compiles_during_soak"] = [
     line[-160:] for line in new
     if "begins to compile" in line or "JIT compilation during inference" in line
