@@ -257,12 +257,13 @@ def choose_tactic(
     - split-K (deterministic, in-kernel) for tile_m <= 128 while the grid is under two waves and
       every split keeps >= 8 K tiles (more splits measured slower); never with tile_m 256 (the
       split epilogue spills at 255 registers there) nor for the MoE;
-    - MoE: 128 weight rows at every token tile (H200 2026-12-03 sweep, DSv4-Flash routed w13 and
-      w2 at M = 16, 64, 256: 2-3 % faster than 64, one tie; bench/results/h200_2026-12-03_session2).
+    - MoE at token tile 16 (decode): 128 weight rows (H200 2026-12-03 sweep, DSv4-Flash routed
+      w13 and w2 at M = 16, 64, 256: 2-3 % faster than 64, one tie; GPU-tested there;
+      bench/results/h200_2026-12-03_session2). Tile 32 keeps 64 rows until 128x32 is measured.
     """
     tile_m = _tile_m_for(m)
     m_tiles = -(-m // tile_m)
-    tile_n = 64 if tile_m <= 32 and not moe else 128
+    tile_n = 128 if tile_m > 32 or (moe and tile_m == 16) else 64
     if n % tile_n:
         tile_n = 64
     if tile_m == 256 and (n // 128) * m_tiles * groups * 2 < num_sms:
