@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine staged with the kernels only (shared/device/stage.sh nvidia-cutlass-dsl==4.4.2
 # apache-tvm-ffi==0.1.9: no vLLM), one call: the GPU tests that need no vLLM (GEMMs, runners,
-# routing, SwiGLU, sharding), the SwiGLU bench and the routed-expert GEMM bench.
+# routing, SwiGLU, sharding), the SwiGLU bench, the routed-expert GEMM bench and the
+# scheduling-vs-mainloop experiment (bench/experiments/moe_vs_grouped.py).
 # Results under $OUT/r and $OUT/summary.txt.
 set -u
 . "${STAGE_ENV:-/opt/stage/env.sh}"
@@ -29,4 +30,7 @@ step bench_moe 150 python3 -m cutedsl.bench.gemm_sm90 --model flash --impls ours
     --shapes "routed_w13(E=256),routed_w2(E=256)" --time-budget 120 \
     --json "$R/sm90_moe.json" --md "$R/sm90_moe.md" || rc=1
 grep "routed" "$R/sm90_moe.md" | cut -d'|' -f2-12
+# Issue 5: is the routed GEMM's decode gap its scheduling or its mainloop?
+step moe_vs_grouped 120 python3 bench/experiments/moe_vs_grouped.py "$R/moe_vs_grouped.json" || rc=1
+cat "$R/moe_vs_grouped.log"
 exit $rc
