@@ -14,38 +14,27 @@ layout in `cutedsl.sm100`).
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from cutedsl import formats, ops, reference
+from cutedsl.kernels import compile_once
 from cutedsl.runner import Runner, check_tensor, per_expert_f32
 from cutedsl.workspace import Workspace
 
 # Largest expert count the route kernel handles (one CTA, one expert count per thread).
 MAX_E = 1024
 
-_CACHE: dict[str, object] = {}
-_LOCK = threading.Lock()
-
 
 def _kernel(name: str) -> object:
     """The compiled route / combine kernel (cutedsl.kernels.moe_routing); keyed by name only: every
     extent is dynamic, so one compile serves every routing and size."""
-    fn = _CACHE.get(name)
-    if fn is None:
-        with _LOCK:
-            fn = _CACHE.get(name)
-            if fn is None:
-                from cutedsl.kernels import moe_routing
+    return compile_once(("moe_routing", name), lambda: _build(name))
 
-                fn = (
-                    moe_routing.compile_route()
-                    if name == "route"
-                    else moe_routing.compile_combine()
-                )
-                _CACHE[name] = fn
-    return fn
+
+def _build(name: str) -> object:
+    from cutedsl.kernels import moe_routing
+
+    return moe_routing.compile_route() if name == "route" else moe_routing.compile_combine()
 
 
 def warmup_kernels() -> None:

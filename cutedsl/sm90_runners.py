@@ -24,11 +24,10 @@ between the two GEMMs (shared and routed) is one CuTeDSL kernel on CUDA (`swiglu
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from cutedsl import sm90
+from cutedsl.kernels import compile_once
 from cutedsl.moe import combine, route, route_reserve, warmup_kernels
 from cutedsl.workspace import Workspace, for_role
 
@@ -78,21 +77,15 @@ def swiglu_clamp_bf16(
     return out
 
 
-_SWIGLU: dict[float | None, object] = {}
-_SWIGLU_LOCK = threading.Lock()
-
-
 def _swiglu_kernel(limit: float | None) -> object:
     """The compiled `cutedsl.kernels.swiglu` kernel for one limit (M and I are dynamic)."""
-    fn = _SWIGLU.get(limit)
-    if fn is None:
-        with _SWIGLU_LOCK:
-            fn = _SWIGLU.get(limit)
-            if fn is None:
-                from cutedsl.kernels.swiglu import compile_swiglu
+    return compile_once(("swiglu", limit), lambda: _build_swiglu(limit))
 
-                fn = _SWIGLU[limit] = compile_swiglu(limit)
-    return fn
+
+def _build_swiglu(limit: float | None) -> object:
+    from cutedsl.kernels.swiglu import compile_swiglu
+
+    return compile_swiglu(limit)
 
 
 def swiglu_clamp(h: torch.Tensor, limit: float | None, out: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,13 @@ import cutlass.cute as cute
 import torch
 
 from cutedsl import sm90 as S
-from cutedsl.bench.gemm_sm90 import _graph_time_us, expert_counts, expert_offsets, routing
+from cutedsl.bench.gemm_sm90 import (
+    _graph_time_us,
+    expert_counts,
+    expert_offsets,
+    random_prepared_weight,
+    routing,
+)
 from cutedsl.kernels import gemm_sm90 as G
 
 
@@ -20,10 +26,7 @@ def main() -> int:
     out = []
     for name, n, k in (("w13", 4096, 4096), ("w2", 4096, 2048)):
         e = 256
-        packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda")
-        sf = (torch.rand(e, n, k // 16, device="cuda") * 4 + 2**-7).to(torch.float8_e4m3fn)
-        wp = S.prepare_nvfp4_weight(packed, sf, torch.full((e,), 0.01, device="cuda"))
-        del packed, sf
+        wp = random_prepared_weight(e, n, k)
         for m in (16, 64):
             offs = expert_offsets(expert_counts(routing(m, e, 6), e)).cuda()
             t = m * 6

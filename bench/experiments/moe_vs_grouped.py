@@ -21,19 +21,13 @@ import sys
 import torch
 
 from cutedsl import sm90 as S
-from cutedsl.bench.gemm_sm90 import _graph_time_us
-
-
-def _weights(e: int, n: int, k: int) -> S.Sm90Nvfp4Weight:
-    packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda")
-    sf = (torch.rand(e, n, k // 16, device="cuda") * 4 + 2**-7).to(torch.float8_e4m3fn)
-    return S.prepare_nvfp4_weight(packed, sf, torch.full((e,), 0.01, device="cuda"))
+from cutedsl.bench.gemm_sm90 import _graph_time_us, random_prepared_weight
 
 
 def main() -> int:
     out = []
     e, n, k, tac = 256, 4096, 4096, (128, 16, 1)
-    wp_e = _weights(e, n, k)
+    wp_e = random_prepared_weight(e, n, k)
     for active, r in ((150, 2), (64, 1), (150, 4)):
         counts = torch.zeros(e, dtype=torch.int64)
         counts[torch.randperm(e)[:active]] = r
@@ -43,7 +37,7 @@ def main() -> int:
         t = int(counts.sum())
         a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
-        wp_g = _weights(active, n, k)
+        wp_g = random_prepared_weight(active, n, k)
         ag = torch.randn(active, r, k, device="cuda", dtype=torch.bfloat16)
         yg = torch.empty(active, r, n, device="cuda", dtype=torch.bfloat16)
         wbytes = active * n * k * 0.5625

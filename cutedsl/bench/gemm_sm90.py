@@ -243,9 +243,14 @@ def stream_bandwidths_gbps() -> dict[str, float]:
     return out
 
 
-def copy_bandwidth_gbps() -> float:
-    """The bandwidth anchor: the faster of `stream_bandwidths_gbps`."""
-    return max(stream_bandwidths_gbps().values())
+def random_prepared_weight(g: int, n: int, k: int) -> object:
+    """Random NVFP4 codes and positive e4m3 scales for g groups of [n, k], prepared for
+    cutedsl.sm90 (the bench times bytes, not values)."""
+    from cutedsl import sm90 as S
+
+    packed = torch.randint(0, 256, (g, n, k // 2), dtype=torch.uint8, device="cuda")
+    sf = (torch.rand(g, n, k // 16, device="cuda") * 4 + 2**-7).to(torch.float8_e4m3fn)
+    return S.prepare_nvfp4_weight(packed, sf, torch.full((g,), 0.01, device="cuda"))
 
 
 class Budget:
@@ -449,12 +454,7 @@ def bench_ours(
 
         g, n, k = shape.groups, shape.n, shape.k
         n_copies = 1 if shape.kind == "moe" else _copies(weight_bytes(g, n, k))
-        wps = []
-        for _ in range(n_copies):
-            packed = torch.randint(0, 256, (g, n, k // 2), dtype=torch.uint8, device="cuda")
-            sf = (torch.rand(g, n, k // 16, device="cuda") * 4 + 2**-7).to(torch.float8_e4m3fn)
-            wps.append(S.prepare_nvfp4_weight(packed, sf, torch.full((g,), 0.01, device="cuda")))
-            del packed, sf
+        wps = [random_prepared_weight(g, n, k) for _ in range(n_copies)]
     except Exception as e:  # noqa: BLE001 - one implementation failing never stops the run
         _set(rows_by_m, ms, "ours_error", _err(e))
         return

@@ -12,12 +12,14 @@ export PYTHONPATH="$REPO:${PYTHONPATH:-}"
 OUT=${OUT:-/tmp/out}
 R=$OUT/r   # everything bundled into $OUT/<name>.tgz by `bundle` (8 files come back at most)
 mkdir -p "$R"
-SITE_VLLM=${SITE_VLLM:-$(cd / && python3 -c 'import os, vllm; print(os.path.dirname(vllm.__file__))')}
+# Empty on a kernels-only staging (no vLLM): make_ours then fails, step / device_info still work.
+SITE_VLLM=${SITE_VLLM:-$(cd / && python3 -c 'import os, vllm; print(os.path.dirname(vllm.__file__))' 2>/dev/null)}
 OURS_DIR=/tmp/vllm_ours
 OURS=(env "PYTHONPATH=$OURS_DIR:$PYTHONPATH")
 UPSTREAM=(env)
 
 make_ours() {  # idempotent; then checks that the site is still pristine
+    [ -n "$SITE_VLLM" ] || { echo "make_ours: vLLM is not installed (kernels-only staging?)" >&2; return 1; }
     if [ ! -f "$OURS_DIR/.ok" ]; then
         rm -rf "$OURS_DIR" && mkdir -p "$OURS_DIR" || return 1
         cp -as "$SITE_VLLM" "$OURS_DIR/vllm" || return 1
@@ -43,7 +45,13 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $R/NAME.log, one summary line
 }
 device_info() {
     { date -u +%FT%TZ; nvidia-smi -L; nvidia-smi --query-gpu=driver_version,memory.total --format=csv;
-      python3 -c 'import torch, cutlass, vllm, transformers; print("torch", torch.__version__, "cutlass-dsl", cutlass.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__)'
+      python3 -c '
+import importlib
+for name in ("torch", "cutlass", "vllm", "transformers"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except ImportError:
+        print(name, "not installed")'
     } >"$R/device.txt" 2>&1
 }
 

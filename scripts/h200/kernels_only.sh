@@ -5,20 +5,9 @@
 # scheduling-vs-mainloop experiment (bench/experiments/moe_vs_grouped.py).
 # Results under $OUT/r and $OUT/summary.txt.
 set -u
-. "${STAGE_ENV:-/opt/stage/env.sh}"
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-export PYTHONPATH="$REPO:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-R=$OUT/r
-mkdir -p "$R"
+. "$(dirname "$0")/env.sh"
 cd "$REPO"
-step() {  # step NAME TIMEOUT CMD...: run, log to $R/NAME.log, one summary line
-    local name=$1 t=$2 s=$SECONDS rc; shift 2
-    timeout "$t" "$@" >"$R/$name.log" 2>&1; rc=$?
-    echo "$(date -u +%T) $name rc=$rc took=$((SECONDS - s))s (limit ${t}s)" | tee -a "$OUT/summary.txt"
-    return $rc
-}
-{ date -u +%FT%TZ; nvidia-smi -L; python3 -c 'import torch, cutlass; print("torch", torch.__version__, "cutlass-dsl", cutlass.__version__)'; } >"$R/device.txt" 2>&1
+device_info
 rc=0
 step gpu_tests "${TEST_LIMIT:-300}" python3 -m pytest -q -m "gpu or sm90" -p no:cacheprovider \
     --junitxml="$R/gpu_tests.xml" tests/test_swiglu_kernel.py tests/test_runners_gpu.py \
