@@ -14,11 +14,14 @@ Weight prep (`prepare_nvfp4_weight`, once at load) re-encodes the NVFP4 weight f
 register dequantization (kernels/device_utils.py decodes it; `decode_emulated` is its host model):
 - weights, uint8 [L, N, K/2]: per row and 64-wide K tile, 32 bytes = 4 lanes c x 2 words q x 4 bytes.
   Word (c, q) holds the 8 e2m1 codes the wgmma A fragment of lane c needs for K blocks j = 2q, 2q+1:
-  pair p = 2*(j - 2q) + h holds k = 16j + 8h + 2c + (0, 1); magnitudes in nibbles 2p, 2p+1 (bits
-  0-2), signs at bits 15-4p and 31-4p.
+  pair p = 2*(j - 2q) + h holds k = 16j + 8h + 2c + (0, 1) (element e = 0, 1). Code bit b of element
+  (p, e) sits at bit (T[b] + 16e - R[p][b]) mod 32, where T = (6, 7, 8, 15) (m, e0, e1, sign: the
+  bf16 bits it decodes to) and R[p][b] = ROT[p], except R[3][2] = ROT3_E1 (device_utils): the kernel
+  decodes pair p with one rotation and one mask (pair 3: two of each). The codes of a block whose
+  scale is 0 are stored as 0.
 - block scales, int32 [L, K/64, N] (N contiguous: one TMA box of tile_n words per K tile): the 4
   scales of a row's K tile, one byte each, as "e5m3" codes (value 2^E (1 + m/8), code (E+10)<<3 | m,
-  0 = zero), so that every e4m3 value (subnormals included) becomes a normal bf16 after `<< 4`.
+  0 = zero), so that every e4m3 value (subnormals included) is a normal bf16 in the kernel.
   Negative scales are folded into the signs of their 16 weights; NaN scales are refused.
 - global scale: fp32 [L], applied in the epilogue.
 
@@ -122,11 +125,7 @@ def encode_weight(packed: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor,
     s_rows = torch.empty((L * N, T), dtype=torch.int32, device=packed.device)
     e5m3 = torch.tensor(_E5M3, dtype=torch.int64, device=packed.device)
     dev = packed.device
-    # bit positions inside a word, indexed [pair p, element e]: magnitude nibble and sign bit
-    p = torch.arange(4, device=dev)[:, None]
-    e = torch.arange(2, device=dev)[None, :]
-    mag_sh = (8 * p + 4 * e).reshape(8)
-    sgn_sh = (15 - 4 * p + 16 * e).reshape(8)
+    src = _code_bit_positions().to(dev)  # [pair p, element e, code bit b] -> bit in the word
     for r0 in range(0, L * N, _ROWS_PER_CHUNK):
         r1 = min(L * N, r0 + _ROWS_PER_CHUNK)
         b = rows_p[r0:r1].to(torch.int64)
@@ -135,10 +134,12 @@ def encode_weight(packed: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor,
         neg = (s & 0x80) != 0  # fold a negative scale into its 16 weights' signs
         codes = codes ^ (neg.repeat_interleave(16, dim=1).to(torch.int64) << 3)
         code_s = e5m3[s & 0x7F]  # [R, K/16]
+        codes = codes * (code_s != 0).repeat_interleave(16, dim=1)  # zero scale: zero codes
         # k = 64t + 16j + 8h + 2c + e with j = 2q + jj  ->  [R, t, c, q, (jj, h), e]
         c6 = codes.reshape(r1 - r0, T, 2, 2, 2, 4, 2).permute(0, 1, 5, 2, 3, 4, 6)
-        c6 = c6.reshape(r1 - r0, T, 4, 2, 8)  # last dim: (pair p = 2jj + h, element e)
-        word = (((c6 & 7) << mag_sh) | ((c6 >> 3) << sgn_sh)).sum(-1)  # disjoint bits: sum = or
+        c6 = c6.reshape(r1 - r0, T, 4, 2, 4, 2)  # [.., pair p = 2jj + h, element e]
+        # disjoint bits: sum = or
+        word = sum((((c6 >> b) & 1) << src[:, :, b]).sum((-2, -1)) for b in range(4))
         by = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1)  # little endian
         w_out[r0:r1] = by.reshape(r1 - r0, KH).to(torch.uint8)
         sj = code_s.reshape(r1 - r0, T, 4) << (8 * torch.arange(4, device=dev))
@@ -146,6 +147,26 @@ def encode_weight(packed: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor,
         s_rows[r0:r1] = torch.where(sw >= 2**31, sw - 2**32, sw).to(torch.int32)
     w = w_out.reshape(L, N, KH)
     return w, s_rows.reshape(L, N, T).transpose(1, 2).contiguous()
+
+
+def _code_bit_positions() -> torch.Tensor:
+    """int64 [4 pairs, 2 elements, 4 code bits]: where code bit b of element (p, e) sits in its
+    word (module docstring)."""
+    from cutedsl.kernels import device_utils as du
+
+    pos = torch.empty(4, 2, 4, dtype=torch.int64)
+    for p in range(4):
+        for e in range(2):
+            for b, t in enumerate((6, 7, 8, 15)):
+                r = du.ROT3_E1 if (p, b) == (3, 2) else du.ROT[p]
+                pos[p, e, b] = (t + 16 * e - r) % 32
+    assert pos.unique().numel() == 32, "the pair rotations must place the 32 bits disjointly"
+    return pos
+
+
+def _rotl(x: torch.Tensor, r: int) -> torch.Tensor:
+    """32-bit rotate left of u32 values held in int64 (PTX shf.l.wrap with both inputs = x)."""
+    return ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF if r else x
 
 
 def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int | torch.Tensor) -> torch.Tensor:
@@ -173,27 +194,20 @@ def decode_emulated(wp: Sm90Nvfp4Weight) -> torch.Tensor:
 
     L, N, KH = wp.w.shape
     T = 2 * KH // _BK
-    m32 = 0xFFFFFFFF
     words = wp.w.reshape(L, N, T, 4, 2, 4).to(torch.int64)  # [.., c, q, byte]
     w = sum(words[..., i] << (8 * i) for i in range(4))  # [L, N, T, c, q]
-    s = wp.sf.transpose(1, 2).to(torch.int64) & m32  # [L, N, T]
-    zero = torch.zeros_like(s)
-    scale_words = [(_prmt(s, zero, sel) << 4) & m32 for sel in (0x4040, 0x4141, 0x4242, 0x4343)]
-    ha, hb, la, lb = (torch.full_like(w, v) for v in (du.LUT_HI_A, du.LUT_HI_B, du.LUT_LO_A,
-                                                      du.LUT_LO_B))  # fmt: skip
+    s = wp.sf.transpose(1, 2).to(torch.int64) & 0xFFFFFFFF  # [L, N, T]
+    hi = torch.full_like(s, du.SCALE_HI * 0x01010101)
+    scale_words = [_prmt(s, hi, sel) << 4 & 0xFFFFFFFF for sel in (0x4040, 0x4141, 0x4242, 0x4343)]
+    pairs = [_rotl(w, r) & du.BF16X2_MASK for r in du.ROT[:3]]
+    pairs.append((_rotl(w, du.ROT[3]) & du.MASK3) | (_rotl(w, du.ROT3_E1) & du.MASK3_E1))
     out = torch.empty((L, N, T, 4, 2, 4, 2), dtype=torch.float32, device=w.device)  # c q p e
-    for half, sh in ((0, 0), (1, 16)):
-        sel = (w >> sh) & 0x7777
-        h, lo = _prmt(ha, hb, sel), _prmt(la, lb, sel)
-        for k, isel in enumerate((0x5140, 0x7362)):
-            pp = 2 * half + k
-            t = _prmt(lo, h, isel) | (((w << (4 * pp)) & m32) & 0x80008000)
-            a0, a1 = _bf16x2_to_f32(t)
-            for q in range(2):
-                sw = scale_words[2 * q + half][..., None]  # [L, N, T, 1]
-                s0, _ = _bf16x2_to_f32(sw)
-                prod = [(x[..., q] * s0).to(torch.bfloat16).float() for x in (a0, a1)]
-                out[:, :, :, :, q, pp, 0], out[:, :, :, :, q, pp, 1] = prod
+    for p, t in enumerate(pairs):
+        a0, a1 = _bf16x2_to_f32(t)  # e2m1 * 2^-126 (0.5 is a bf16 subnormal: kept, not flushed)
+        for q in range(2):
+            s0, _ = _bf16x2_to_f32(scale_words[2 * q + p // 2][..., None])  # scale * 2^107
+            prod = [(x[..., q] * s0).to(torch.bfloat16).float() * du.DECODE_BIAS for x in (a0, a1)]
+            out[:, :, :, :, q, p, 0], out[:, :, :, :, q, p, 1] = prod
     # [.., c, q, p=(jj, h), e] -> k = 64t + 16(2q + jj) + 8h + 2c + e
     out = out.reshape(L, N, T, 4, 2, 2, 2, 2).permute(0, 1, 2, 4, 5, 6, 3, 7)
     return out.reshape(L, N, 2 * KH)

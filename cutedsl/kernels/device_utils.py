@@ -6,14 +6,16 @@ through shared memory and registers without CuTe layouts getting in the way.
 NVFP4 -> BF16 on sm_90a (no `cvt ... e2m1x2` there, research/cutedsl.md §4b) uses the sm90 weight
 encoding of `cutedsl.sm90` (documented there; `cutedsl.sm90.decode_emulated` is the host model of
 the two functions below):
-- one 32-bit word W holds 8 e2m1 codes as 4 bf16x2 pairs p = 0..3: the magnitudes of pair p in
-  nibbles 2p / 2p+1 (bits 0-2), their signs at bits 15-4p / 31-4p (bit 3 of the nibbles);
-- `prmt.b32` looks the 3-bit magnitudes up in an 8-entry byte table (two prmts give the high and
-  the low bytes of 4 bf16 images, two more interleave them into 2 bf16x2 words), the signs land on
-  bits 15/31 with one shift and one `lop3`; the table holds e2m1 · 2^117;
-- a block scale is an 8-bit "e5m3" code (5-bit exponent biased so that every e4m3 value, the
-  subnormal ones included, is a *normal* bf16 after `<< 4`): its bf16 image is scale · 2^-117;
-- `mul.rn.bf16x2` of the two is exactly e2m1 · scale (at most 6 significant bits, normal range).
+- one 32-bit word W holds 8 e2m1 codes as 4 bf16x2 pairs p = 0..3. Pair p is W rotated left by
+  ROT[p] and masked with BF16X2_MASK: each code's sign lands on bit 15 (31) and its 3 magnitude bits
+  e1 e0 m on bits 8..6 (24..22), the low exponent bits and the top mantissa bit of a bf16. That bf16
+  is e2m1 · 2^-126 (code 1 = 0.5 is the bf16 subnormal 2^-127). Pair 3 takes e1 from a second
+  rotation (no fourth disjoint rotation exists);
+- a block scale is an 8-bit "e5m3" code (value 2^E (1 + m/8), code (E+10) << 3 | m); `prmt` with
+  the constant byte 0x07 then `<< 4` gives the bf16 2^(E+107) (1 + m/8) = scale · 2^107 (a zero
+  scale's 16 codes are stored as 0, so its bf16 image never matters);
+- `mul.rn.bf16x2` of the two is exactly e2m1 · scale · 2^-19 (at most 6 significant bits, normal
+  range); the epilogue multiplies by the global scale · 2^19 (DECODE_BIAS).
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-# bf16 images of e2m1 magnitude m = 0..7 times 2^117 (value 0, .5, 1, 1.5, 2, 3, 4, 6): high and low
-# bytes, packed 4 per word for prmt (pool a = entries 0-3, b = entries 4-7). Derived and checked
-# against the values in cutedsl.sm90 (E2M1_LUT_*); kept literal here so the PTX is readable.
-LUT_HI_A = 0x7A7A7900
-LUT_HI_B = 0x7B7B7A7A
-LUT_LO_A = 0x40008000
-LUT_LO_B = 0x4000C080
+BF16X2_MASK = 0x81C081C0  # sign bit and 3 magnitude bits of each bf16 half
+ROT = (0, 4, 10, 6)  # left rotation of pair p; pair 3 takes e1 (bits 8 / 24) from ROT3_E1 instead
+ROT3_E1 = 14
+MASK3 = 0x80C080C0  # pair 3: sign, e0, m from ROT[3]
+MASK3_E1 = 0x01000100  # pair 3: e1 from ROT3_E1
+SCALE_HI = 0x07  # prmt'd above each e5m3 code: exponent + 224 after << 4
+DECODE_BIAS = 2.0**19  # e2m1 · scale = the decoded bf16 product · DECODE_BIAS
 
 
 def asm(
@@ -74,35 +76,23 @@ def nvfp4x8_to_bf16x2x4(
 ) -> tuple[Int32, Int32, Int32, Int32]:
     """Decode one sm90-encoded word of 8 e2m1 codes into 4 bf16x2 words (pair p = 0..3, low half =
     the lower K index), pairs 0-1 times `scale_lo`, pairs 2-3 times `scale_hi` (bf16x2 scale words
-    from `e5m3x4_to_bf16x2x4`)."""
+    from `e5m3x4_to_bf16x2x4`): 9 integer ops and 4 bf16x2 multiplies."""
+    m = f"{BF16X2_MASK:#x}"
     text = (
         "{\n"
-        ".reg .b32 ha, hb, la, lb, sel, h, l, t, s;\n"
-        f"mov.b32 ha, {LUT_HI_A};\n"
-        f"mov.b32 hb, {LUT_HI_B};\n"
-        f"mov.b32 la, {LUT_LO_A};\n"
-        f"mov.b32 lb, {LUT_LO_B};\n"
-        "and.b32 sel, $4, 0x7777;\n"
-        "prmt.b32 h, ha, hb, sel;\n"
-        "prmt.b32 l, la, lb, sel;\n"
-        "prmt.b32 t, l, h, 0x5140;\n"
-        "lop3.b32 t, t, $4, 0x80008000, 0xF8;\n"
+        ".reg .b32 t, u;\n"
+        f"and.b32 t, $4, {m};\n"
         "mul.rn.bf16x2 $0, t, $5;\n"
-        "prmt.b32 t, l, h, 0x7362;\n"
-        "shl.b32 s, $4, 4;\n"
-        "lop3.b32 t, t, s, 0x80008000, 0xF8;\n"
+        f"shf.l.wrap.b32 t, $4, $4, {ROT[1]};\n"
+        f"and.b32 t, t, {m};\n"
         "mul.rn.bf16x2 $1, t, $5;\n"
-        "shr.b32 sel, $4, 16;\n"
-        "and.b32 sel, sel, 0x7777;\n"
-        "prmt.b32 h, ha, hb, sel;\n"
-        "prmt.b32 l, la, lb, sel;\n"
-        "prmt.b32 t, l, h, 0x5140;\n"
-        "shl.b32 s, $4, 8;\n"
-        "lop3.b32 t, t, s, 0x80008000, 0xF8;\n"
+        f"shf.l.wrap.b32 t, $4, $4, {ROT[2]};\n"
+        f"and.b32 t, t, {m};\n"
         "mul.rn.bf16x2 $2, t, $6;\n"
-        "prmt.b32 t, l, h, 0x7362;\n"
-        "shl.b32 s, $4, 12;\n"
-        "lop3.b32 t, t, s, 0x80008000, 0xF8;\n"
+        f"shf.l.wrap.b32 t, $4, $4, {ROT[3]};\n"
+        f"shf.l.wrap.b32 u, $4, $4, {ROT3_E1};\n"
+        f"and.b32 u, u, {MASK3_E1:#x};\n"
+        f"lop3.b32 t, u, t, {MASK3:#x}, 0xF8;\n"  # u | (t & MASK3)
         "mul.rn.bf16x2 $3, t, $6;\n"
         "}"
     )
@@ -112,18 +102,19 @@ def nvfp4x8_to_bf16x2x4(
 @dsl_user_op
 def e5m3x4_to_bf16x2x4(s: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
     """The 4 e5m3 scale codes (bytes 0..3 of `s`) as bf16x2 words, each code in both halves:
-    code << 4 is the bf16 image of scale · 2^-117."""
+    (0x07 << 8 | code) << 4 is the bf16 image of scale · 2^107."""
+    hi = SCALE_HI * 0x01010101
     text = (
         "{\n"
-        ".reg .b32 z, t;\n"
-        "mov.b32 z, 0;\n"
-        "prmt.b32 t, $4, z, 0x4040;\n"
+        ".reg .b32 k, t;\n"
+        f"mov.b32 k, {hi:#x};\n"
+        "prmt.b32 t, $4, k, 0x4040;\n"
         "shl.b32 $0, t, 4;\n"
-        "prmt.b32 t, $4, z, 0x4141;\n"
+        "prmt.b32 t, $4, k, 0x4141;\n"
         "shl.b32 $1, t, 4;\n"
-        "prmt.b32 t, $4, z, 0x4242;\n"
+        "prmt.b32 t, $4, k, 0x4242;\n"
         "shl.b32 $2, t, 4;\n"
-        "prmt.b32 t, $4, z, 0x4343;\n"
+        "prmt.b32 t, $4, k, 0x4343;\n"
         "shl.b32 $3, t, 4;\n"
         "}"
     )

@@ -67,6 +67,8 @@ class Sm90Nvfp4W4A16GemmKernel:
         split_k: int = 1,
         moe: bool = False,
         stages: int | None = None,
+        w_tiled: bool = False,
+        no_dequant: bool = False,
     ):
         if tile_n not in (64, 128):
             raise ValueError(f"tile_n must be 64 or 128, got {tile_n}")
@@ -78,6 +80,8 @@ class Sm90Nvfp4W4A16GemmKernel:
         self.tile_m = tile_m
         self.split_k = split_k
         self.moe = moe
+        self.w_tiled = w_tiled  # EXPERIMENT: w given as (N, 32, K/64 * L), K-tile-major
+        self.no_dequant = no_dequant  # EXPERIMENT: skip the decode (timing only, wrong results)
         self.num_wg = tile_n // 64
         self.threads = 128 * self.num_wg
         self.stages = stages if stages is not None else self._compute_stages(tile_n, tile_m)
@@ -145,7 +149,7 @@ class Sm90Nvfp4W4A16GemmKernel:
 
         n_tiles = cute.size(w, mode=[0]) // self.tile_n
         m_tiles = (cute.size(a, mode=[0]) + self.tile_m - 1) // self.tile_m
-        groups = cute.size(w, mode=[2])
+        groups = cute.size(sf, mode=[2])
         if cutlass.const_expr(self.moe):
             # Token tiles per expert are unknown on the host: grid.y covers twice the uniform
             # share (+1) and each CTA loops over m tiles y, y + grid.y, ... of its expert, so a
@@ -258,7 +262,10 @@ class Sm90Nvfp4W4A16GemmKernel:
             if cutlass.const_expr(self.moe):
                 mA_cta = cute.domain_offset((row_start, 0, 0), mA)
             # (tile_n, BK/2, k_tiles)
-            gQ = cute.local_tile(mQ, (self.tile_n, BK // 2), (n_tile, None, grp))
+            if cutlass.const_expr(self.w_tiled):
+                gQ = cute.local_tile(mQ, (self.tile_n, BK // 2), (n_tile, 0, None))
+            else:
+                gQ = cute.local_tile(mQ, (self.tile_n, BK // 2), (n_tile, None, grp))
             # (tile_n, 1, k_tiles)
             gS = cute.local_tile(mS, (self.tile_n, 1), (n_tile, None, grp))
             tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(
@@ -276,7 +283,10 @@ class Sm90Nvfp4W4A16GemmKernel:
                 cute.group_modes(gS, 0, 2),
             )
 
-            k_tiles_total = cute.size(gQ, mode=[2])
+            k_tiles_total = cute.size(gS, mode=[2])
+            q_k0 = cutlass.Int32(0)  # K-tile index offset of this group's weight tiles
+            if cutlass.const_expr(self.w_tiled):
+                q_k0 = grp * k_tiles_total
             k_cnt = k_tiles_total // self.split_k
             k_first = split * k_cnt
 
@@ -289,6 +299,9 @@ class Sm90Nvfp4W4A16GemmKernel:
             a_shape = tiled_mma.partition_shape_A((self.tile_n, BK))
             frag0 = tiled_mma.make_fragment_A(a_shape)
             frag1 = tiled_mma.make_fragment_A(a_shape)
+            if cutlass.const_expr(self.no_dequant):
+                frag0.fill(0.0)
+                frag1.fill(0.0)
             thr_epi = tiled_mma.get_slice(tidx)
             cC = cute.make_identity_tensor((self.tile_n, self.tile_m))
             tCcC = thr_epi.partition_C(cC)  # (MMA, MMA_M, MMA_N)
@@ -327,6 +340,7 @@ class Sm90Nvfp4W4A16GemmKernel:
                             mainloop,
                             prod,
                             k_off,
+                            q_k0,
                             tma_a,
                             tAgA,
                             tAsA,
@@ -346,18 +360,18 @@ class Sm90Nvfp4W4A16GemmKernel:
                 for kp in cutlass.range(k_cnt // 2, unroll=1):
                     cons, rel, prod = self._step(
                         2 * kp, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel, prod,
-                        warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
+                        warp_idx, k_off, q_k0, k_end, sQ_addr, sS_addr, q_off, s_off,
                         tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
                     )  # fmt: skip
                     cons, rel, prod = self._step(
                         2 * kp + 1, k_cnt, frag1, frag0, acc, tiled_mma, tCrA, mainloop, cons, rel,
-                        prod, warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
+                        prod, warp_idx, k_off, q_k0, k_end, sQ_addr, sS_addr, q_off, s_off,
                         tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
                     )  # fmt: skip
                 if k_cnt % 2 == 1:
                     cons, rel, prod = self._step(
                         k_cnt - 1, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel,
-                        prod, warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
+                        prod, warp_idx, k_off, q_k0, k_end, sQ_addr, sS_addr, q_off, s_off,
                         tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
                     )  # fmt: skip
                 cute.nvgpu.warpgroup.wait_group(0)
@@ -367,7 +381,7 @@ class Sm90Nvfp4W4A16GemmKernel:
                 rel.advance()
 
                 # ------------------------------------------------------------ epilogue
-                scale = mGS[grp]
+                scale = mGS[grp] * du.DECODE_BIAS  # the decode's products are e2m1·sf·2^-19
                 mC_cta = mC
                 if cutlass.const_expr(self.moe):
                     mC_cta = cute.domain_offset((0, row_start, 0), mC)
@@ -431,6 +445,8 @@ class Sm90Nvfp4W4A16GemmKernel:
     @cute.jit
     def _dequant(self, frag, sQ_addr, sS_addr, stage, q_off, s_off):
         """Decode this thread's 2 rows x 16 K values of one K tile into the A fragment `frag`."""
+        if cutlass.const_expr(self.no_dequant):
+            return
         f32 = cute.recast_tensor(frag, cutlass.Int32)  # (4 regs, 1, 4 k16 blocks)
         q_base = sQ_addr + stage * (self.tile_n * BK // 2) + q_off
         s_base = sS_addr + stage * (self.tile_n * 4) + s_off
@@ -448,7 +464,7 @@ class Sm90Nvfp4W4A16GemmKernel:
     @cute.jit
     def _step(
         self, kt, k_cnt, frag, frag_next, acc, tiled_mma, tCrA, mainloop, cons, rel, prod,
-        warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
+        warp_idx, k_off, q_k0, k_end, sQ_addr, sS_addr, q_off, s_off,
         tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
     ):  # fmt: skip
         """K tile kt: WGMMA on `frag` (decoded earlier) and stage cons; once the WGMMAs of tile
@@ -475,6 +491,7 @@ class Sm90Nvfp4W4A16GemmKernel:
                     mainloop,
                     prod,
                     k_off,
+                    q_k0,
                     tma_a,
                     tAgA,
                     tAsA,
@@ -494,13 +511,13 @@ class Sm90Nvfp4W4A16GemmKernel:
 
     @cute.jit
     def _issue_loads(
-        self, mainloop, prod, k_off, tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS
+        self, mainloop, prod, k_off, q_k0, tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS
     ):
         mainloop.producer_acquire(prod)
         k = k_off + prod.count  # global K tile index
         bar = mainloop.producer_get_barrier(prod)
         cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
-        cute.copy(tma_q, tQgQ[(None, k)], tQsQ[(None, prod.index)], tma_bar_ptr=bar)
+        cute.copy(tma_q, tQgQ[(None, k + q_k0)], tQsQ[(None, prod.index)], tma_bar_ptr=bar)
         cute.copy(tma_s, tSgS[(None, k)], tSsS[(None, prod.index)], tma_bar_ptr=bar)
         mainloop.producer_commit(prod)
 
@@ -508,7 +525,7 @@ class Sm90Nvfp4W4A16GemmKernel:
 # ------------------------------------------------------------------------------ fake tensors
 
 
-def fake_operands(moe: bool):
+def fake_operands(moe: bool, w_tiled: bool = False):
     """Fake (a, w, sf, gs, out, part, sem, offs, stream): dynamic M/T, N, K and group count."""
     s32 = cute.sym_int32
     m = s32(symbol="M")
@@ -524,6 +541,10 @@ def fake_operands(moe: bool):
     w = make_fake_compact_tensor(
         cutlass.Uint8, (n, kh, g), stride_order=(1, 0, 2), assumed_align=16
     )
+    if w_tiled:
+        w = make_fake_compact_tensor(
+            cutlass.Uint8, (n, BK // 2, s32(symbol="KTL")), stride_order=(1, 0, 2), assumed_align=16
+        )
     sf = make_fake_compact_tensor(
         cutlass.Int32, (n, kt, g), stride_order=(0, 1, 2), assumed_align=16
     )
@@ -541,11 +562,19 @@ def fake_operands(moe: bool):
 
 
 def compile_kernel(
-    tile_n: int, tile_m: int, split_k: int, moe: bool, *, no_jit_engine: bool = False
+    tile_n: int,
+    tile_m: int,
+    split_k: int,
+    moe: bool,
+    *,
+    no_jit_engine: bool = False,
+    **experiment: bool,
 ) -> object:
     """cute.compile one variant from fake tensors (TVM-FFI, env stream)."""
-    kernel = Sm90Nvfp4W4A16GemmKernel(tile_n=tile_n, tile_m=tile_m, split_k=split_k, moe=moe)
-    args = fake_operands(moe)
+    kernel = Sm90Nvfp4W4A16GemmKernel(
+        tile_n=tile_n, tile_m=tile_m, split_k=split_k, moe=moe, **experiment
+    )
+    args = fake_operands(moe, experiment.get("w_tiled", False))
     kw = {"no_jit_engine": True} if no_jit_engine else {}
     return cute.compile(kernel, *args, options="--enable-tvm-ffi", **kw)
 
@@ -570,7 +599,14 @@ def check_targets() -> list[KernelTarget]:
                     tn, tm, sk, moe, no_jit_engine=True
                 )
             ),
-            ptx_patterns=(r"wgmma\.mma_async", r"prmt\.b32", r"cp\.async\.bulk\.tensor", *extra),
+            ptx_patterns=(
+                r"wgmma\.mma_async",
+                r"shf\.l\.wrap\.b32",
+                r"mul\.rn\.bf16x2",
+                r"prmt\.b32",
+                r"cp\.async\.bulk\.tensor",
+                *extra,
+            ),
             sass_patterns=(r"HGMMA\.64x\d+x16\.F32\.BF16 R\d+, R\d+, gdesc",),
         )
         for name, tn, tm, sk, moe, extra in variants
