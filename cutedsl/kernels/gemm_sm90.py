@@ -67,8 +67,6 @@ class Sm90Nvfp4W4A16GemmKernel:
         split_k: int = 1,
         moe: bool = False,
         stages: int | None = None,
-        w_tiled: bool = False,
-        no_dequant: bool = False,
     ):
         if tile_n not in (64, 128):
             raise ValueError(f"tile_n must be 64 or 128, got {tile_n}")
@@ -80,8 +78,6 @@ class Sm90Nvfp4W4A16GemmKernel:
         self.tile_m = tile_m
         self.split_k = split_k
         self.moe = moe
-        self.w_tiled = w_tiled  # EXPERIMENT: w given as (N, 32, K/64 * L), K-tile-major
-        self.no_dequant = no_dequant  # EXPERIMENT: skip the decode (timing only, wrong results)
         self.num_wg = tile_n // 64
         self.threads = 128 * self.num_wg
         self.stages = stages if stages is not None else self._compute_stages(tile_n, tile_m)
@@ -262,10 +258,7 @@ class Sm90Nvfp4W4A16GemmKernel:
             if cutlass.const_expr(self.moe):
                 mA_cta = cute.domain_offset((row_start, 0, 0), mA)
             # (tile_n, BK/2, k_tiles)
-            if cutlass.const_expr(self.w_tiled):
-                gQ = cute.local_tile(mQ, (self.tile_n, BK // 2), (n_tile, 0, None))
-            else:
-                gQ = cute.local_tile(mQ, (self.tile_n, BK // 2), (n_tile, None, grp))
+            gQ = cute.local_tile(mQ, (self.tile_n, BK // 2), (n_tile, None, grp))
             # (tile_n, 1, k_tiles)
             gS = cute.local_tile(mS, (self.tile_n, 1), (n_tile, None, grp))
             tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(
@@ -284,9 +277,6 @@ class Sm90Nvfp4W4A16GemmKernel:
             )
 
             k_tiles_total = cute.size(gS, mode=[2])
-            q_k0 = cutlass.Int32(0)  # K-tile index offset of this group's weight tiles
-            if cutlass.const_expr(self.w_tiled):
-                q_k0 = grp * k_tiles_total
             k_cnt = k_tiles_total // self.split_k
             k_first = split * k_cnt
 
@@ -299,9 +289,6 @@ class Sm90Nvfp4W4A16GemmKernel:
             a_shape = tiled_mma.partition_shape_A((self.tile_n, BK))
             frag0 = tiled_mma.make_fragment_A(a_shape)
             frag1 = tiled_mma.make_fragment_A(a_shape)
-            if cutlass.const_expr(self.no_dequant):
-                frag0.fill(0.0)
-                frag1.fill(0.0)
             thr_epi = tiled_mma.get_slice(tidx)
             cC = cute.make_identity_tensor((self.tile_n, self.tile_m))
             tCcC = thr_epi.partition_C(cC)  # (MMA, MMA_M, MMA_N)
@@ -340,7 +327,6 @@ class Sm90Nvfp4W4A16GemmKernel:
                             mainloop,
                             prod,
                             k_off,
-                            q_k0,
                             tma_a,
                             tAgA,
                             tAsA,
@@ -360,18 +346,18 @@ class Sm90Nvfp4W4A16GemmKernel:
                 for kp in cutlass.range(k_cnt // 2, unroll=1):
                     cons, rel, prod = self._step(
                         2 * kp, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel, prod,
-                        warp_idx, k_off, q_k0, k_end, sQ_addr, sS_addr, q_off, s_off,
+                        warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
                         tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
                     )  # fmt: skip
                     cons, rel, prod = self._step(
                         2 * kp + 1, k_cnt, frag1, frag0, acc, tiled_mma, tCrA, mainloop, cons, rel,
-                        prod, warp_idx, k_off, q_k0, k_end, sQ_addr, sS_addr, q_off, s_off,
+                        prod, warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
                         tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
                     )  # fmt: skip
                 if k_cnt % 2 == 1:
                     cons, rel, prod = self._step(
                         k_cnt - 1, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel,
-                        prod, warp_idx, k_off, q_k0, k_end, sQ_addr, sS_addr, q_off, s_off,
+                        prod, warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
                         tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
                     )  # fmt: skip
                 cute.nvgpu.warpgroup.wait_group(0)
@@ -445,8 +431,6 @@ class Sm90Nvfp4W4A16GemmKernel:
     @cute.jit
     def _dequant(self, frag, sQ_addr, sS_addr, stage, q_off, s_off):
         """Decode this thread's 2 rows x 16 K values of one K tile into the A fragment `frag`."""
-        if cutlass.const_expr(self.no_dequant):
-            return
         f32 = cute.recast_tensor(frag, cutlass.Int32)  # (4 regs, 1, 4 k16 blocks)
         q_base = sQ_addr + stage * (self.tile_n * BK // 2) + q_off
         s_base = sS_addr + stage * (self.tile_n * 4) + s_off
@@ -464,7 +448,7 @@ class Sm90Nvfp4W4A16GemmKernel:
     @cute.jit
     def _step(
         self, kt, k_cnt, frag, frag_next, acc, tiled_mma, tCrA, mainloop, cons, rel, prod,
-        warp_idx, k_off, q_k0, k_end, sQ_addr, sS_addr, q_off, s_off,
+        warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
         tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
     ):  # fmt: skip
         """K tile kt: WGMMA on `frag` (decoded earlier) and stage cons; once the WGMMAs of tile
@@ -491,7 +475,6 @@ class Sm90Nvfp4W4A16GemmKernel:
                     mainloop,
                     prod,
                     k_off,
-                    q_k0,
                     tma_a,
                     tAgA,
                     tAsA,
@@ -511,13 +494,13 @@ class Sm90Nvfp4W4A16GemmKernel:
 
     @cute.jit
     def _issue_loads(
-        self, mainloop, prod, k_off, q_k0, tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS
+        self, mainloop, prod, k_off, tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS
     ):
         mainloop.producer_acquire(prod)
         k = k_off + prod.count  # global K tile index
         bar = mainloop.producer_get_barrier(prod)
         cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
-        cute.copy(tma_q, tQgQ[(None, k + q_k0)], tQsQ[(None, prod.index)], tma_bar_ptr=bar)
+        cute.copy(tma_q, tQgQ[(None, k)], tQsQ[(None, prod.index)], tma_bar_ptr=bar)
         cute.copy(tma_s, tSgS[(None, k)], tSsS[(None, prod.index)], tma_bar_ptr=bar)
         mainloop.producer_commit(prod)
 
@@ -525,7 +508,7 @@ class Sm90Nvfp4W4A16GemmKernel:
 # ------------------------------------------------------------------------------ fake tensors
 
 
-def fake_operands(moe: bool, w_tiled: bool = False):
+def fake_operands(moe: bool):
     """Fake (a, w, sf, gs, out, part, sem, offs, stream): dynamic M/T, N, K and group count."""
     s32 = cute.sym_int32
     m = s32(symbol="M")
@@ -541,10 +524,6 @@ def fake_operands(moe: bool, w_tiled: bool = False):
     w = make_fake_compact_tensor(
         cutlass.Uint8, (n, kh, g), stride_order=(1, 0, 2), assumed_align=16
     )
-    if w_tiled:
-        w = make_fake_compact_tensor(
-            cutlass.Uint8, (n, BK // 2, s32(symbol="KTL")), stride_order=(1, 0, 2), assumed_align=16
-        )
     sf = make_fake_compact_tensor(
         cutlass.Int32, (n, kt, g), stride_order=(0, 1, 2), assumed_align=16
     )
@@ -562,19 +541,11 @@ def fake_operands(moe: bool, w_tiled: bool = False):
 
 
 def compile_kernel(
-    tile_n: int,
-    tile_m: int,
-    split_k: int,
-    moe: bool,
-    *,
-    no_jit_engine: bool = False,
-    **experiment: bool,
+    tile_n: int, tile_m: int, split_k: int, moe: bool, *, no_jit_engine: bool = False
 ) -> object:
     """cute.compile one variant from fake tensors (TVM-FFI, env stream)."""
-    kernel = Sm90Nvfp4W4A16GemmKernel(
-        tile_n=tile_n, tile_m=tile_m, split_k=split_k, moe=moe, **experiment
-    )
-    args = fake_operands(moe, experiment.get("w_tiled", False))
+    kernel = Sm90Nvfp4W4A16GemmKernel(tile_n=tile_n, tile_m=tile_m, split_k=split_k, moe=moe)
+    args = fake_operands(moe)
     kw = {"no_jit_engine": True} if no_jit_engine else {}
     return cute.compile(kernel, *args, options="--enable-tvm-ffi", **kw)
 
