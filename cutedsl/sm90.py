@@ -265,7 +265,10 @@ def choose_tactic(
 ) -> tuple[int, int, int]:
     """(tile_n, tile_m, split_k) heuristic, from the H200 bench and sweep of 2026-12-02
     (bench/results/h200_2026-12-02_session3/):
-    - token tile: the smallest of 16/32/64/128 covering m, else 256;
+    - token tile: the smallest of 16/32/64/128 covering m, else 256; dense / grouped 64 < m <= 128
+      also take 256 (H200 2026-12-03 session 3, bench/results/h200_2026-12-03_session3, Flash
+      dense shapes at M = 128: wq_b 77.5 -> 34.1 us, wo_a 62.6 -> 47.5, wo_b 72.5 -> 60.0,
+      shared_w13 39.0 -> 31.9, shared_w2 28.6 -> 17.8; fused_wqa_wkv 30.2 -> 32.1, 6 % slower);
     - weight tile 64 rows for tile_m <= 32, else 128; a 128 x 256 grid under half the SMs
       switches to 64 x 256 (N = 1536, M = 256..1024: 35 vs 48 us);
     - split-K (deterministic, in-kernel) for tile_m <= 128 while the grid is under two waves and
@@ -276,6 +279,8 @@ def choose_tactic(
       bench/results/h200_2026-12-03_session2). Tile 32 keeps 64 rows until 128x32 is measured.
     """
     tile_m = _tile_m_for(m)
+    if not moe and tile_m == 128 and m > 64:
+        tile_m = 256
     m_tiles = -(-m // tile_m)
     tile_n = 128 if tile_m > 32 or (moe and tile_m == 16) else 64
     if n % tile_n:

@@ -53,8 +53,10 @@ def test_choose_tactic_decode_uses_split_k_and_prefill_big_tiles() -> None:
     assert (tn, tm) == (64, 16) and sk > 1
     assert gemm_sm90.Sm90Nvfp4W4A16GemmKernel.can_implement(1536, 4096, tn, sk)
     assert S.choose_tactic(16384, 4096, 8192, 1) == (128, 256, 1)
-    assert S.choose_tactic(100, 4096, 8192, 1)[:2] == (128, 128)
-    assert S.choose_tactic(100, 4096, 8192, 1)[2] > 1  # 32 CTAs: split K
+    assert S.choose_tactic(60, 4096, 8192, 1)[:2] == (128, 64)
+    assert S.choose_tactic(60, 4096, 8192, 1)[2] > 1  # 32 CTAs: split K
+    assert S.choose_tactic(100, 4096, 8192, 1) == (64, 256, 1)  # 64 < m <= 128: the 256 tile
+    assert S.choose_tactic(100, 4096, 8192, 256, moe=True)[1] == 128  # not for the MoE
     assert S.choose_tactic(1024, 1536, 4096, 1) == (64, 256, 1)  # small grid: 64-row tiles
     assert S.choose_tactic(1, 256 * 64, 4096, 1, moe=True)[2] == 1
     assert S.launch_tactic(64 * 6, 4096, 4096, 256, moe=True) == (128, 16, 1)  # the 12-03 sweep

@@ -2,7 +2,7 @@
 # On the H200, one call (~9 min), issues 5 and 7: the SM90 kernel / runner / routing GPU tests, then
 # the SM90 GEMM benchmark (every model, every M of the issue) and, with the time left, the tactic
 # sweep on the Flash shapes. Results: $OUT/kernels.tgz (JUnit XML, logs, bench JSON/MD) + summary.
-#   LIMIT=560 bash scripts/h200/kernels.sh
+#   LIMIT=560 bash scripts/h200/kernels.sh          (MODEL=flash: only the Flash shapes)
 # SWEEP_SHAPES / SWEEP_MS narrow the sweep, e.g. the routed experts at decode:
 #   SWEEP_SHAPES="routed_w13(E=256),routed_w2(E=256)" SWEEP_MS=64,16,256 bash scripts/h200/kernels.sh
 set -u
@@ -16,7 +16,7 @@ step gpu_tests "${TEST_LIMIT:-260}" python3 -m pytest -q -m "gpu or sm90" -p no:
 tail -n 15 "$R/gpu_tests.log"
 left=$((LIMIT - SECONDS - 20))
 if [ $left -gt 60 ]; then
-    step bench_gemm $((left + 10)) python3 -m cutedsl.bench.gemm_sm90 --model all \
+    step bench_gemm $((left + 10)) python3 -m cutedsl.bench.gemm_sm90 --model "${MODEL:-all}" \
         --time-budget $((left * ${BENCH_SHARE:-70} / 100)) --json "$R/sm90_gemm.json" --md "$R/sm90_gemm.md"
     tail -n 2 "$R/bench_gemm.log"
 fi
