@@ -198,7 +198,9 @@ def decode_emulated(wp: Sm90Nvfp4Weight) -> torch.Tensor:
     w = sum(words[..., i] << (8 * i) for i in range(4))  # [L, N, T, c, q]
     s = wp.sf.transpose(1, 2).to(torch.int64) & 0xFFFFFFFF  # [L, N, T]
     hi = torch.full_like(s, du.SCALE_HI * 0x01010101)
-    scale_words = [_prmt(s, hi, sel) << 4 & 0xFFFFFFFF for sel in (0x4040, 0x4141, 0x4242, 0x4343)]
+    scale_words = [
+        (_prmt(s, hi, sel) << 4) & 0xFFFFFFFF for sel in (0x4040, 0x4141, 0x4242, 0x4343)
+    ]
     pairs = [_rotl(w, r) & du.BF16X2_MASK for r in du.ROT[:3]]
     pairs.append((_rotl(w, du.ROT[3]) & du.MASK3) | (_rotl(w, du.ROT3_E1) & du.MASK3_E1))
     out = torch.empty((L, N, T, 4, 2, 4, 2), dtype=torch.float32, device=w.device)  # c q p e
@@ -253,8 +255,9 @@ def compile_count() -> int:
 # ------------------------------------------------------------------------------ tactics
 
 
-def _tile_m_for(m: int) -> int:
-    for t in (16, 32, 64, 128):
+def _tile_m_for(m: int, moe: bool) -> int:
+    """The smallest token tile covering m; dense / grouped GEMMs skip 128 (see choose_tactic)."""
+    for t in (16, 32, 64, 128) if moe else (16, 32, 64):
         if m <= t:
             return t
     return 256
@@ -265,10 +268,11 @@ def choose_tactic(
 ) -> tuple[int, int, int]:
     """(tile_n, tile_m, split_k) heuristic, from the H200 bench and sweep of 2026-12-02
     (bench/results/h200_2026-12-02_session3/):
-    - token tile: the smallest of 16/32/64/128 covering m, else 256; dense / grouped 64 < m <= 128
-      also take 256 (H200 2026-12-03 session 3, bench/results/h200_2026-12-03_session3, Flash
-      dense shapes at M = 128: wq_b 77.5 -> 34.1 us, wo_a 62.6 -> 47.5, wo_b 72.5 -> 60.0,
-      shared_w13 39.0 -> 31.9, shared_w2 28.6 -> 17.8; fused_wqa_wkv 30.2 -> 32.1, 6 % slower);
+    - token tile: the smallest of 16/32/64/128 (MoE) or 16/32/64 (dense / grouped) covering m,
+      else 256. Dense / grouped 64 < m <= 128 take 256 rather than 128 (H200 2026-12-03 session 3,
+      bench/results/h200_2026-12-03_session3, Flash dense shapes at M = 128: wq_b 77.5 -> 34.1 us,
+      wo_a 62.6 -> 47.5, wo_b 72.5 -> 60.0, shared_w13 39.0 -> 31.9, shared_w2 28.6 -> 17.8;
+      fused_wqa_wkv 30.2 -> 32.1, 6 % slower);
     - weight tile 64 rows for tile_m <= 32, else 128; a 128 x 256 grid under half the SMs
       switches to 64 x 256 (N = 1536, M = 256..1024: 35 vs 48 us);
     - split-K (deterministic, in-kernel) for tile_m <= 128 while the grid is under two waves and
@@ -278,9 +282,7 @@ def choose_tactic(
       w13 and w2 at M = 16, 64, 256: 2-3 % faster than 64, one tie; GPU-tested there;
       bench/results/h200_2026-12-03_session2). Tile 32 keeps 64 rows until 128x32 is measured.
     """
-    tile_m = _tile_m_for(m)
-    if not moe and tile_m == 128 and m > 64:
-        tile_m = 256
+    tile_m = _tile_m_for(m, moe)
     m_tiles = -(-m // tile_m)
     tile_n = 128 if tile_m > 32 or (moe and tile_m == 16) else 64
     if n % tile_n:

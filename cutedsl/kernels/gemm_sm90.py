@@ -145,7 +145,7 @@ class Sm90Nvfp4W4A16GemmKernel:
 
         n_tiles = cute.size(w, mode=[0]) // self.tile_n
         m_tiles = (cute.size(a, mode=[0]) + self.tile_m - 1) // self.tile_m
-        groups = cute.size(sf, mode=[2])
+        groups = cute.size(w, mode=[2])
         if cutlass.const_expr(self.moe):
             # Token tiles per expert are unknown on the host: grid.y covers twice the uniform
             # share (+1) and each CTA loops over m tiles y, y + grid.y, ... of its expert, so a
@@ -276,7 +276,7 @@ class Sm90Nvfp4W4A16GemmKernel:
                 cute.group_modes(gS, 0, 2),
             )
 
-            k_tiles_total = cute.size(gS, mode=[2])
+            k_tiles_total = cute.size(gQ, mode=[2])
             k_cnt = k_tiles_total // self.split_k
             k_first = split * k_cnt
 
