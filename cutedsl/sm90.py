@@ -28,24 +28,26 @@ register dequantization (kernels/device_utils.py decodes it; `decode_emulated` i
 Compile cache: keyed on compile-time values only (tile_n, tile_m, split_k, moe, out dtype); M, N,
 K, the group count, strides and addresses are runtime values (fake tensors with symbolic extents),
 so one compile serves every token count and routing. CUDA graphs: call `warmup()` (or each launch
-function once) before capture; the launch path allocates only outputs not given (and the fp32
-split-K buffer unless a `workspace` is given), never syncs with the host and never compiles once
-warm.
+function once) before capture; the launch path allocates only outputs not given (split-K
+reduces through distributed shared memory: no scratch), never syncs with the host and never
+compiles once warm.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-
-from cutedsl.workspace import Workspace
 
 _BK = 64
 # Token tiles the GPU tests cover (tests/test_gemm_sm90.py); others are refused before compiling
 # (H200 2026-12-02, the first kernel: tile_m 8 gave wrong results, 24 aborted in cute.compile).
 TILE_M_VERIFIED = (16, 32, 64, 128, 256)
+MAX_SPLIT_K = 8  # split-K CTAs form one thread-block cluster (kernels/gemm_sm90.py)
 _NUM_SMS_H200 = 132
 
 
@@ -255,47 +257,79 @@ def compile_count() -> int:
 # ------------------------------------------------------------------------------ tactics
 
 
-def _tile_m_for(m: int, moe: bool) -> int:
-    """The smallest token tile covering m; dense / grouped GEMMs skip 128 (see choose_tactic)."""
-    for t in (16, 32, 64, 128) if moe else (16, 32, 64):
-        if m <= t:
-            return t
-    return 256
+_TUNED = Path(__file__).with_name("tuned") / "sm90_h200_dense.json"
+
+
+@functools.cache
+def _tuned_table() -> dict[tuple[int, int, int], list[tuple[int, tuple[int, int, int]]]]:
+    """(N, K, groups) -> [(measured M, tactic)] ascending, from cutedsl/tuned/sm90_h200_dense.json
+    (built by `python -m cutedsl.bench.tune_sm90` from `gemm_sm90 --sweep grid` runs)."""
+    with open(_TUNED) as f:
+        dense = json.load(f)["dense"]
+    out = {}
+    for key, per_m in dense.items():
+        n, k, g = (int(x) for x in key.split(","))
+        out[(n, k, g)] = sorted((int(m), tuple(e["tactic"])) for m, e in per_m.items())
+    return out
+
+
+def _split_k(ctas: int, kt: int, tile_m: int, cap: int) -> int:
+    """The largest power-of-two K split with ctas * split <= cap that the kernel takes (a cluster
+    of <= MAX_SPLIT_K CTAs, dividing tile_m / 2) and leaves every split >= 8 K tiles."""
+    s = 1
+    while (
+        ctas * s * 2 <= cap
+        and kt % (s * 2) == 0
+        and kt // (s * 2) >= 8
+        and s * 2 <= MAX_SPLIT_K
+        and (tile_m // 2) % (s * 2) == 0
+    ):
+        s *= 2
+    return s
 
 
 def choose_tactic(
     m: int, n: int, k: int, groups: int, moe: bool = False, num_sms: int = _NUM_SMS_H200
 ) -> tuple[int, int, int]:
-    """(tile_n, tile_m, split_k) heuristic, from the H200 bench and sweep of 2026-12-02
-    (bench/results/h200_2026-12-02_session3/):
-    - token tile: the smallest of 16/32/64/128 (MoE) or 16/32/64 (dense / grouped) covering m,
-      else 256. Dense / grouped 64 < m <= 128 take 256 rather than 128 (H200 2026-12-03 session 3,
-      bench/results/h200_2026-12-03_session3, Flash dense shapes at M = 128: wq_b 77.5 -> 34.1 us,
-      wo_a 62.6 -> 47.5, wo_b 72.5 -> 60.0, shared_w13 39.0 -> 31.9, shared_w2 28.6 -> 17.8;
-      fused_wqa_wkv 30.2 -> 32.1, 6 % slower);
-    - weight tile 64 rows for tile_m <= 32, else 128; a 128 x 256 grid under half the SMs
-      switches to 64 x 256 (N = 1536, M = 256..1024: 35 vs 48 us);
-    - split-K (deterministic, in-kernel) for tile_m <= 128 while the grid is under two waves and
-      every split keeps >= 8 K tiles (more splits measured slower); never with tile_m 256 (the
-      split epilogue spills at 255 registers there) nor for the MoE;
-    - MoE at token tile 16 (decode): 128 weight rows (H200 2026-12-03 sweep, DSv4-Flash routed
-      w13 and w2 at M = 16, 64, 256: 2-3 % faster than 64, one tie; GPU-tested there;
-      bench/results/h200_2026-12-03_session2). Tile 32 keeps 64 rows until 128x32 is measured.
+    """(tile_n, tile_m, split_k) for m rows of an N x K weight with `groups` groups.
+
+    Dense / grouped shapes in the measured table (cutedsl/tuned/sm90_h200_dense.json: the Flash
+    projections, H200 grid sweep of 2026-12-03, every tactic of `gemm_sm90 --sweep grid`) take the
+    fastest tactic of the smallest measured M >= m. Otherwise a rule fitted to the same sweep
+    (within 2 % of the fastest on its geomean there, 1.49x at worst: wo_a at M = 128):
+    - m <= 32 (decode): token tile 16 / 32; a grid of >= num_sms 128-row weight tiles takes
+      128 x tile_m unsplit, else 64-row tiles split K while the grid is under two waves;
+    - larger m, a grid of >= num_sms 128-row weight tiles: 128 x (64 | 128 | 256) covering m (up to
+      256), unsplit;
+    - larger m, a smaller grid: 128 x (64 for m <= 128, 128 for m <= 256, else 256), split K up to
+      one wave (num_sms CTAs);
+    split-K never drops a split under 8 K tiles (`_split_k`).
+    MoE (rows per expert unknown on the host, m = the launch's sizing): tile 16/32/64/128 covering
+    m, else 256; 128 weight rows from tile 64 up and at tile 16 (H200 2026-12-03 sweep, routed
+    w13 / w2 at M = 16, 64, 256: 2-3 % faster than 64), 64 at tile 32; never split.
     """
-    tile_m = _tile_m_for(m, moe)
-    m_tiles = -(-m // tile_m)
-    tile_n = 128 if tile_m > 32 or (moe and tile_m == 16) else 64
-    if n % tile_n:
-        tile_n = 64
-    if tile_m == 256 and (n // 128) * m_tiles * groups * 2 < num_sms:
-        tile_n = 64
-    split_k = 1
-    if not moe and tile_m <= 128:
-        ctas = (n // tile_n) * m_tiles * groups
-        kt = k // _BK
-        while ctas * split_k < 2 * num_sms and kt % (split_k * 2) == 0 and kt // (split_k * 2) >= 8:
-            split_k *= 2
-    return tile_n, tile_m, split_k
+    kt = k // _BK
+    if moe:
+        tile_m = next((t for t in (16, 32, 64, 128) if m <= t), 256)
+        tile_n = 64 if tile_m == 32 or n % 128 else 128
+        return tile_n, tile_m, 1
+    if num_sms == _NUM_SMS_H200:
+        for m_max, tactic in _tuned_table().get((n, k, groups), ()):
+            if m <= m_max:
+                return tactic
+    wide = n % 128 == 0 and (n // 128) * groups >= num_sms  # 128-row tiles fill the GPU
+    if m <= 32:
+        tile_m = 16 if m <= 16 else 32
+        if wide:
+            return 128, tile_m, 1
+        # split while the grid is under two waves: the doubled grid stays under four
+        return 64, tile_m, _split_k((n // 64) * groups, kt, tile_m, 4 * num_sms - 1)
+    tile_n = 128 if n % 128 == 0 else 64
+    if wide:
+        return tile_n, (64 if m <= 64 else 128 if m <= 128 else 256), 1
+    tile_m = 64 if m <= 128 else 128 if m <= 256 else 256
+    ctas = (n // tile_n) * -(-m // tile_m) * groups
+    return tile_n, tile_m, _split_k(ctas, kt, tile_m, num_sms)
 
 
 # ------------------------------------------------------------------------------ launch
@@ -317,16 +351,6 @@ def launch_tactic(m: int, n: int, k: int, groups: int, moe: bool) -> tuple[int, 
     return choose_tactic(m_eff, n, k, groups, moe)
 
 
-def splitk_shape(groups: int, split_k: int, m: int, n: int) -> tuple[int, int, int, int]:
-    """Shape of the fp32 split-K partials of a launch: [L, S, M, N]."""
-    return (groups, split_k, m, n)
-
-
-def splitk_counters(groups: int, m: int, n: int, tile_n: int, tile_m: int) -> int:
-    """Number of int32 split-K tile counters a launch needs: L x m_tiles x n_tiles."""
-    return groups * (-(-m // tile_m)) * (n // tile_n)
-
-
 _DUMMY: dict[tuple, torch.Tensor] = {}
 
 
@@ -344,11 +368,8 @@ def _launch(
     out3: torch.Tensor,  # (La, M, N) bf16 contiguous
     offs: torch.Tensor | None,
     tactic: tuple[int, int, int] | None,
-    workspace: Workspace | None = None,
 ) -> None:
-    """Launch one GEMM. Split-K tactics need fp32 partials [L, S, M, N] and zeroed int32 tile
-    counters (the kernel sums the partials in split order and leaves the counters zero): the
-    views "splitk" / "splitk.sem" of `workspace` (reserved at warm-up), else fresh allocations."""
+    """Launch one GEMM (split-K tactics reduce in a thread-block cluster: no scratch)."""
     la, m, k = a3.shape
     moe = offs is not None
     if tactic is None:
@@ -364,33 +385,7 @@ def _launch(
     w_v = wp.w.permute(1, 2, 0)  # (N, K/2, L)
     sf_v = wp.sf.permute(2, 1, 0)  # (N, K/64, L) int32
     offs_t = offs if moe else _dummy(dev, (1,), torch.int32)
-    if split_k == 1:
-        part, sem = _dummy(dev, (1, 1, 1), torch.float32), _dummy(dev, (1,), torch.int32)
-    else:
-        shape = splitk_shape(la, split_k, m, wp.n)
-        n_sem = splitk_counters(la, m, wp.n, tile_n, tile_m)
-        if workspace is None:
-            part = torch.empty(shape, dtype=torch.float32, device=dev)
-            sem = torch.zeros(n_sem, dtype=torch.int32, device=dev)
-        else:
-            part = workspace.get("splitk", shape, torch.float32)
-            sem = workspace.get("splitk.sem", (n_sem,), torch.int32)
-        part = part.view(la * split_k, m, wp.n).permute(2, 1, 0)  # (N, M, L*S)
-    fn(a_v, w_v, sf_v, wp.gs, out3.permute(2, 1, 0), part, sem, offs_t)
-
-
-def splitk_reserve(ws: Workspace, wp: Sm90Nvfp4Weight, max_tokens: int) -> None:
-    """Warm-up: reserve the largest split-K scratch a dense / grouped launch of 1..max_tokens rows
-    uses (views "splitk" and "splitk.sem" of `ws`); the counters are zeroed here, once."""
-    need = []
-    for m in range(1, max_tokens + 1):
-        tn, tm, sk = launch_tactic(m, wp.n, wp.k, wp.groups, False)
-        if sk > 1:
-            need.append((m * sk, splitk_counters(wp.groups, m, wp.n, tn, tm)))
-    if need:
-        ws.reserve("splitk", (max(r for r, _ in need) * wp.groups * wp.n,), torch.float32)
-        ws.reserve("splitk.sem", (max(c for _, c in need),), torch.int32)
-        ws.get("splitk.sem", (ws.reserved("splitk.sem") // 4,), torch.int32).zero_()
+    fn(a_v, w_v, sf_v, wp.gs, out3.permute(2, 1, 0), offs_t)
 
 
 def sm90_nvfp4_gemm_prepared(
@@ -398,7 +393,6 @@ def sm90_nvfp4_gemm_prepared(
     wp: Sm90Nvfp4Weight,  # one group
     out: torch.Tensor | None = None,  # (M, N) bf16
     tactic: tuple[int, int, int] | None = None,
-    workspace: Workspace | None = None,  # split-K scratch ("splitk"); None allocates it
 ) -> torch.Tensor:
     """out = a @ dequant(wp)^T, fp32 accumulation, BF16 out. M may be 0."""
     if wp.groups != 1:
@@ -411,7 +405,7 @@ def sm90_nvfp4_gemm_prepared(
         out = a.new_empty((m, wp.n))
     if m == 0:
         return out
-    _launch(a.unsqueeze(0), wp, out.view(1, m, wp.n), None, tactic, workspace)
+    _launch(a.unsqueeze(0), wp, out.view(1, m, wp.n), None, tactic)
     return out
 
 
@@ -431,7 +425,6 @@ def sm90_nvfp4_grouped_gemm(
     wp: Sm90Nvfp4Weight,  # G groups
     out: torch.Tensor | None = None,  # (G, M, N) bf16
     tactic: tuple[int, int, int] | None = None,
-    workspace: Workspace | None = None,  # split-K scratch ("splitk"); None allocates it
 ) -> torch.Tensor:
     """out[g] = a[g] @ dequant(wp[g])^T for G equal groups (wo_a)."""
     _check_a(a, wp.k)
@@ -442,7 +435,7 @@ def sm90_nvfp4_grouped_gemm(
         out = a.new_empty((g, m, wp.n))
     if m == 0:
         return out
-    _launch(a, wp, out, None, tactic, workspace)
+    _launch(a, wp, out, None, tactic)
     return out
 
 
@@ -452,7 +445,6 @@ def sm90_nvfp4_moe_gemm(
     wp: Sm90Nvfp4Weight,  # E groups
     out: torch.Tensor | None = None,  # (T, N) bf16
     tactic: tuple[int, int, int] | None = None,
-    workspace: Workspace | None = None,  # split-K scratch ("splitk"); None allocates it
 ) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ dequant(wp[e])^T. One compile serves every routing; rows
     outside [offs[0], offs[E]) are not written."""
@@ -468,7 +460,7 @@ def sm90_nvfp4_moe_gemm(
         out = a.new_empty((t, wp.n))
     if t == 0:
         return out
-    _launch(a.unsqueeze(0), wp, out.view(1, t, wp.n), offs, tactic, workspace)
+    _launch(a.unsqueeze(0), wp, out.view(1, t, wp.n), offs, tactic)
     return out
 
 

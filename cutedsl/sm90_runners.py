@@ -4,13 +4,13 @@ Every impl is a callable with the runner's `run` signature (inputs already check
 `warmup(max_tokens)` that compiles every tactic the heuristic can pick for 1..max_tokens rows and
 reserves the impl's scratch in its `cutedsl.workspace` (routed experts and grouped o-proj: role
 "main"; shared-expert MLP: role "shared", as vLLM may run it on a side stream next to the routed
-experts; a linear: a private one, as DSv4 runs two linears concurrently).
+experts; a linear has none: split-K reduces inside the kernel).
 
 Hot path: no compile once warm, no lock, no host sync, no CPU tensor, no data-dependent host
 branch. The only allocations are the op results (a linear's / the shared MLP's [M, N], the
 grouped o-proj's [T, G, R]: a torch.library custom op returns new tensors; inside a CUDA graph
 they come from the graph's private pool) and a copy of a non-contiguous input. Every
-intermediate (split-K fp32 buffers, the o-proj's per-group operand and output, routing buffers,
+intermediate (the o-proj's per-group operand and output, routing buffers,
 the gathered MoE rows, h, the SwiGLU result, y) is a view of the workspace
 fetched per call; a call with more rows than warmed up raises `cutedsl.workspace.WorkspaceError`.
 Kernel operands keep the layouts the kernels were validated with (contiguous, same strides).
@@ -40,11 +40,6 @@ MAX_TOPK = 8
 
 def _tactics(n: int, k: int, groups: int, max_tokens: int, moe: bool) -> set[tuple]:
     return {(*sm90.launch_tactic(m, n, k, groups, moe), moe) for m in range(1, max_tokens + 1)}
-
-
-def _reserve_splitk(ws: Workspace, wp: sm90.Sm90Nvfp4Weight, max_tokens: int) -> None:
-    """The largest fp32 split-K buffers a dense / grouped launch of 1..max_tokens rows uses."""
-    sm90.splitk_reserve(ws, wp, max_tokens)
 
 
 def swiglu_clamp_bf16(
@@ -125,14 +120,12 @@ def _swiglu(ws: Workspace, h: torch.Tensor, limit: float | None) -> torch.Tensor
 class _Linear:
     def __init__(self, r) -> None:
         self.wp = sm90.prepare_nvfp4_weight(r.weight, r.weight_scale, r.weight_scale_2)
-        self.ws = Workspace(r.weight.device, "linear")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # output: the op's result
-        return sm90.sm90_nvfp4_gemm_prepared(x.contiguous(), self.wp, workspace=self.ws)
+        return sm90.sm90_nvfp4_gemm_prepared(x.contiguous(), self.wp)
 
     def warmup(self, max_tokens: int) -> None:
         sm90.warmup(sorted(_tactics(self.wp.n, self.wp.k, 1, max_tokens, False)))
-        _reserve_splitk(self.ws, self.wp, max_tokens)
 
 
 class _GroupedOproj:
@@ -148,7 +141,7 @@ class _GroupedOproj:
         a = ws.get("a", (g, t, d), torch.bfloat16)
         a.copy_(x.transpose(0, 1))  # per-group contiguous [G, T, D]
         y = ws.get("h", (g, t, self.wp.n), torch.bfloat16)
-        sm90.sm90_nvfp4_grouped_gemm(a, self.wp, out=y, workspace=ws)
+        sm90.sm90_nvfp4_grouped_gemm(a, self.wp, out=y)
         out = x.new_empty((t, g, self.wp.n))
         out.copy_(y.transpose(0, 1))
         return out
@@ -159,7 +152,6 @@ class _GroupedOproj:
         g, t = self.wp.groups, max_tokens
         ws.reserve("a", (g, t, self.wp.k), torch.bfloat16)
         ws.reserve("h", (g, t, self.wp.n), torch.bfloat16)
-        _reserve_splitk(ws, self.wp, max_tokens)
 
 
 class _SharedMlp:
@@ -172,9 +164,9 @@ class _SharedMlp:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ws = for_role(self.device, "shared")
         h = ws.get("h", (x.shape[0], self.wp13.n), torch.bfloat16)
-        sm90.sm90_nvfp4_gemm_prepared(x.contiguous(), self.wp13, out=h, workspace=ws)
+        sm90.sm90_nvfp4_gemm_prepared(x.contiguous(), self.wp13, out=h)
         s = _swiglu(ws, h, self.limit)
-        return sm90.sm90_nvfp4_gemm_prepared(s, self.wp2, workspace=ws)  # the op's result
+        return sm90.sm90_nvfp4_gemm_prepared(s, self.wp2)  # the op's result
 
     def warmup(self, max_tokens: int) -> None:
         t = _tactics(self.wp13.n, self.wp13.k, 1, max_tokens, False)
@@ -183,8 +175,6 @@ class _SharedMlp:
             _swiglu_kernel(self.limit)
         ws = for_role(self.device, "shared")
         _mlp_reserve(ws, max_tokens, self.wp2.k)
-        _reserve_splitk(ws, self.wp13, max_tokens)
-        _reserve_splitk(ws, self.wp2, max_tokens)
 
 
 class _MoE:

@@ -46,16 +46,13 @@ def workspaces(impl) -> list[Workspace]:
 
 def warm_and_poison(impl, max_tokens: int) -> None:
     """impl.warmup(max_tokens), then fill every scratch byte of the workspaces with 0xFF (NaN in
-    bf16 / fp32), so an intermediate read before it is written shows in the result. Buffers named
-    "*.sem" are state, not scratch (the sm90 split-K tile counters: zero between launches), and
-    keep their contents."""
+    bf16 / fp32), so an intermediate read before it is written shows in the result."""
     impl.warmup(max_tokens)
     wss = workspaces(impl)
     assert wss and any(ws._bufs for ws in wss), "warm-up reserved nothing"
     for ws in wss:
-        for name, b in ws._bufs.items():
-            if not name.endswith(".sem"):
-                b.fill_(0xFF)
+        for b in ws._bufs.values():
+            b.fill_(0xFF)
 
 
 @contextlib.contextmanager
@@ -70,27 +67,16 @@ def no_reserve(monkeypatch: pytest.MonkeyPatch):
         yield
 
 
-def sm90_launch_emulator(splits: list | None = None):
+def sm90_launch_emulator():
     """A stand-in for `cutedsl.sm90._launch` on the CPU: out3[l] = a3[l] · dequant(wp[l])ᵀ (dense /
     groups), or per expert rows [offs[e], offs[e+1]) of a3[0] (MoE; rows outside the experts are
-    left untouched), from the host model of the kernel's weight decode. Split-K tactics fetch the
-    "splitk" / "splitk.sem" views of the workspace (they must be reserved, the counters zero) and
-    are appended to `splits` as (tactic, workspace given)."""
+    left untouched), from the host model of the kernel's weight decode."""
     from cutedsl import sm90
 
-    def launch(a3, wp, out3, offs, tactic, ws=None):
+    def launch(a3, wp, out3, offs, tactic):
         w = sm90.dequantize_prepared(wp)  # [L, N, K] fp32
         if offs is None:
-            res = torch.einsum("lmk,lnk->lmn", a3.float(), w)
-            tac = tactic or sm90.launch_tactic(a3.shape[1], wp.n, wp.k, wp.groups, False)
-            if tac[2] > 1:
-                if splits is not None:
-                    splits.append((tac, ws is not None))
-                la, m, n = out3.shape
-                ws.get("splitk", sm90.splitk_shape(la, tac[2], m, n), torch.float32)
-                sem = ws.get("splitk.sem", (sm90.splitk_counters(la, m, n, *tac[:2]),), torch.int32)
-                assert not sem.any(), "split-K counters must start at zero"
-            out3.copy_(res)
+            out3.copy_(torch.einsum("lmk,lnk->lmn", a3.float(), w))
             return
         o = offs.tolist()
         for e in range(wp.groups):

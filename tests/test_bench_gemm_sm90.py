@@ -321,3 +321,65 @@ def test_bench_runner_gives_each_benchmark_its_own_output_files() -> None:
         "--model", "all", "--json", "r/x.swiglu.json", "--md=r/x.swiglu.md", "--ms", "1",
     ]  # fmt: skip
     assert per_bench_outputs(["--json", "a.d/out"], "gemm_sm90") == ["--json", "a.d/out.gemm_sm90"]
+
+
+def test_grid_sweep_candidates_are_valid_and_broad():
+    from cutedsl import sm90
+    from cutedsl.kernels.gemm_sm90 import Sm90Nvfp4W4A16GemmKernel as Kern
+
+    for m in (1, 16, 64, 300, 4096):
+        cands = B.candidate_tactics(m, 1536, 4096, 1, False, grid=True)
+        assert cands[0] == sm90.launch_tactic(m, 1536, 4096, 1, False)  # the heuristic's first
+        assert len(cands) == len(set(cands)) >= 6
+        for tn, tm, sk in cands:
+            Kern(tile_n=tn, tile_m=tm, split_k=sk)  # the kernel takes it
+            assert Kern.can_implement(1536, 4096, tn, sk)
+    assert {t[2] for t in B.candidate_tactics(64, 1536, 4096, 1, False, grid=True)} == {1, 2, 4, 8}
+
+
+def test_tune_table_from_a_grid_sweep(tmp_path):
+    """The tuner keeps the fastest tactic per (N, K, G) and M (later files win), skips the MoE and
+    un-swept rows, writes readable JSON atomically, and sm90's loader reads the result."""
+    from cutedsl.bench import tune_sm90 as T
+
+    def row(shape, kind, n, k, g, m, sweep):
+        return dict(shape=shape, kind=kind, N=n, K=k, G=g, M=m, sweep_us=sweep)
+
+    first = dict(command="c1", date="d1", device="NVIDIA H200", cutlass_dsl="4.4.2", rows=[
+        row("flash.x", "dense", 1536, 4096, None, 16, {"64x16x8": 5.0, "128x16x8": 6.0}),
+        row("flash.x", "dense", 1536, 4096, None, 64, {"128x64x8": 7.0, "64x64x8": 7.1}),
+        row("flash.r", "moe", 4096, 4096, 256, 16, {"128x16x1": 1.0, "64x16x1": 2.0}),
+        row("flash.y", "dense", 4096, 2048, None, 16, {"64x16x4": 3.0}),  # no sweep: skipped
+    ])  # fmt: skip
+    second = dict(first, command="c2", rows=[
+        row("flash.x", "dense", 1536, 4096, None, 64, {"64x64x8": 6.5, "128x64x8": 7.0}),
+    ])  # fmt: skip
+    paths = []
+    for i, sw in enumerate((first, second)):
+        paths.append(tmp_path / f"s{i}.json")
+        paths[-1].write_text(json.dumps(sw))
+    out = tmp_path / "t.json"
+    assert T.main([*map(str, paths), "-o", str(out)]) == 0
+    table = json.loads(out.read_text())
+    assert [s["command"] for s in table["meta"]["sources"]] == ["c1", "c2"]
+    assert list(table["dense"]) == ["1536,4096,1"]
+    x = table["dense"]["1536,4096,1"]
+    assert x["16"]["tactic"] == [64, 16, 8] and x["16"]["next_us"] == 6.0
+    assert x["64"]["tactic"] == [64, 64, 8]  # the later sweep wins
+    assert not list(tmp_path.glob("*.tmp"))
+    empty = tmp_path / "e.json"
+    empty.write_text(json.dumps(dict(first, rows=first["rows"][2:])))
+    assert T.main([str(empty), "-o", str(tmp_path / "none.json")]) == 1
+    assert not (tmp_path / "none.json").exists()
+
+
+def test_committed_tuned_table_is_well_formed():
+    from cutedsl import sm90
+
+    with open(sm90._TUNED) as f:
+        table = json.load(f)
+    assert table["meta"]["sources"] and table["meta"]["sources"][0]["device"] == "NVIDIA H200"
+    for key, per_m in table["dense"].items():
+        assert len(key.split(",")) == 3 and per_m
+        for m, e in per_m.items():
+            assert int(m) > 0 and e["us"] <= e["next_us"] and len(e["tactic"]) == 3

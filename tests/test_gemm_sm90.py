@@ -48,18 +48,60 @@ def test_can_implement(n: int, k: int, tile_n: int, split_k: int, ok: bool) -> N
     assert gemm_sm90.Sm90Nvfp4W4A16GemmKernel.can_implement(n, k, tile_n, split_k) is ok
 
 
-def test_choose_tactic_decode_uses_split_k_and_prefill_big_tiles() -> None:
-    tn, tm, sk = S.choose_tactic(1, 1536, 4096, 1)
-    assert (tn, tm) == (64, 16) and sk > 1
-    assert gemm_sm90.Sm90Nvfp4W4A16GemmKernel.can_implement(1536, 4096, tn, sk)
-    assert S.choose_tactic(16384, 4096, 8192, 1) == (128, 256, 1)
-    assert S.choose_tactic(60, 4096, 8192, 1)[:2] == (128, 64)
-    assert S.choose_tactic(60, 4096, 8192, 1)[2] > 1  # 32 CTAs: split K
-    assert S.choose_tactic(100, 4096, 8192, 1) == (64, 256, 1)  # 64 < m <= 128: the 256 tile
-    assert S.choose_tactic(100, 4096, 8192, 256, moe=True)[1] == 128  # not for the MoE
-    assert S.choose_tactic(1024, 1536, 4096, 1) == (64, 256, 1)  # small grid: 64-row tiles
+@pytest.mark.parametrize(
+    ("tile_m", "split_k", "moe"),
+    [(16, 16, False), (16, 3, False), (32, 32, False), (64, 2, True)],
+    ids=["over-cluster-size", "not-dividing-tile", "not-dividing-fragment", "moe"],
+)
+def test_split_k_limits_are_refused(tile_m: int, split_k: int, moe: bool) -> None:
+    """A split-K cluster has at most 8 CTAs, each reducing an equal share of every thread's
+    tile_m/2 accumulators; the MoE never splits."""
+    with pytest.raises(ValueError, match="split"):
+        gemm_sm90.Sm90Nvfp4W4A16GemmKernel(tile_n=64, tile_m=tile_m, split_k=split_k, moe=moe)
+
+
+def test_choose_tactic_splits_fit_a_cluster() -> None:
+    for m in (1, 7, 16, 33, 64, 100, 200, 256, 1000, 5000):
+        for n, k in ((1536, 4096), (32768, 1024), (4096, 8192), (512, 512), (2048, 1024)):
+            tn, tm, sk = S.choose_tactic(m, n, k, 1)
+            gemm_sm90.Sm90Nvfp4W4A16GemmKernel(tile_n=tn, tile_m=tm, split_k=sk)  # accepted
+            assert gemm_sm90.Sm90Nvfp4W4A16GemmKernel.can_implement(n, k, tn, sk)
+
+
+def test_choose_tactic_rule_decode_splits_k_and_prefill_takes_big_tiles() -> None:
+    """The rule, on shapes the measured table does not hold."""
+    assert (2048, 4096, 1) not in S._tuned_table()
+    tn, tm, sk = S.choose_tactic(1, 2048, 4096, 1)
+    assert (tn, tm) == (64, 16) and sk > 1  # 32 CTAs: split K
+    assert S.choose_tactic(16384, 2048, 8192, 1) == (128, 256, 1)
+    assert S.choose_tactic(16, 32768 + 128, 1024, 1) == (128, 16, 1)  # a full grid: no split
+    assert S.choose_tactic(100, 32768 + 128, 1024, 1) == (128, 128, 1)
+    assert S.choose_tactic(100, 2048, 4096, 1) == (128, 64, 4)  # 32 CTAs: up to one wave
+    assert S.choose_tactic(200, 2048, 8192, 1) == (128, 128, 4)
+    assert S.choose_tactic(100, 4096, 8192, 256, moe=True) == (128, 128, 1)  # the MoE never splits
     assert S.choose_tactic(1, 256 * 64, 4096, 1, moe=True)[2] == 1
     assert S.launch_tactic(64 * 6, 4096, 4096, 256, moe=True) == (128, 16, 1)  # the 12-03 sweep
+
+
+def test_choose_tactic_takes_the_measured_table() -> None:
+    """Table shapes take the fastest measured tactic of the smallest measured M >= m (the rule
+    beyond the largest), and every entry is a tactic the kernel takes for its shape."""
+    table = S._tuned_table()
+    assert (1536, 4096, 1) in table and (1024, 4096, 8) in table  # fused_wqa_wkv, wo_a (G = 8)
+    for (n, k, g), entries in table.items():
+        prev = 0
+        for m_max, tactic in entries:
+            for m in {prev + 1, (prev + 1 + m_max) // 2, m_max}:
+                assert S.choose_tactic(m, n, k, g) == tactic, (n, k, g, m)
+            tn, tm, sk = tactic
+            gemm_sm90.Sm90Nvfp4W4A16GemmKernel(tile_n=tn, tile_m=tm, split_k=sk)
+            assert gemm_sm90.Sm90Nvfp4W4A16GemmKernel.can_implement(n, k, tn, sk)
+            assert tm in S.TILE_M_VERIFIED
+            prev = m_max
+    assert S.choose_tactic(4096, 1536, 4096, 1) == (128, 256, 2)  # measured
+    assert S.choose_tactic(4097, 1536, 4096, 1) == (128, 256, 1)  # beyond the table: the rule
+    assert S.choose_tactic(128, 1024, 4096, 8) == (128, 128, 2)  # measured (the rule: 128x64x1)
+    assert S.choose_tactic(128, 1024, 4096, 8, num_sms=114) == (128, 64, 1)  # another GPU: rule
 
 
 def _special_scales(shape: tuple, gen: torch.Generator, dev: str = "cpu") -> torch.Tensor:
@@ -203,6 +245,11 @@ TACTICS = [
     (64, 256, 1),
     (128, 128, 8),
     (64, 128, 2),
+    (64, 16, 8),  # split-K clusters of 8, 4 and 2 CTAs on every tile_n / token tile
+    (128, 16, 8),
+    (128, 64, 4),
+    (64, 256, 8),
+    (128, 256, 2),
 ]
 
 

@@ -1,7 +1,7 @@
 """`python -m cutedsl.bench.gemm_sm90`: sm_90a NVFP4 W4A16 GEMMs vs cuBLAS BF16, Marlin, DeepGEMM FP8.
 
 python -m cutedsl.bench.gemm_sm90 [--model flash|pro|all] [--ms 1,4,...] [--shapes a,b]
-    [--time-budget S] [--json PATH] [--md PATH] [--list-shapes]
+    [--sweep [neighbours|grid]] [--time-budget S] [--json PATH] [--md PATH] [--list-shapes]
 
 Shapes (per model, from its config; see FLASH_CONFIG / PRO_CONFIG): fused_wqa_wkv, wq_b, wo_a
 (G equal groups, a[G, M, K]), wo_b, shared expert L1/L2 (dense), routed experts L1/L2 ("moe": the
@@ -419,33 +419,48 @@ def _set(rows_by_m: dict[int, dict], ms: list[int], key: str, value) -> None:
         rows_by_m[m][key] = value
 
 
-def candidate_tactics(m: int, n: int, k: int, groups: int, moe: bool) -> list[tuple[int, int, int]]:
-    """The heuristic's tactic first, then neighbours worth timing (--sweep): the other tile_n, the
-    next token tile up and down, half / double the K split. All valid for the shape."""
+def candidate_tactics(
+    m: int, n: int, k: int, groups: int, moe: bool, grid: bool = False
+) -> list[tuple[int, int, int]]:
+    """The heuristic's tactic first, then the tactics worth timing (--sweep). Neighbours: the other
+    tile_n, the next token tile up and down, half / double the K split. Grid (dense / grouped):
+    every tile_n, every verified token tile from the one covering m (m <= 32) or from
+    min(m, 256) / 4 up to 2x m, every split 1..8 the kernel takes (1, 2 from m = 1024). All valid
+    for the shape."""
     from cutedsl import sm90 as S
+    from cutedsl.kernels.gemm_sm90 import MAX_SPLIT_K
     from cutedsl.kernels.gemm_sm90 import Sm90Nvfp4W4A16GemmKernel as Kern
 
     tn, tm, sk = S.launch_tactic(m, n, k, groups, moe)
     tiles = list(S.TILE_M_VERIFIED)
-    i = tiles.index(tm)
-    cands = [(tn, tm, sk), (192 - tn, tm, sk)]
-    cands += [(tn, tiles[j], sk if tiles[j] <= 64 else 1) for j in (i - 1, i + 1)
-              if 0 <= j < len(tiles)]  # fmt: skip
-    if not moe:
-        cands += [(tn, tm, max(1, sk // 2)), (tn, tm, sk * 2)]
+    cands = [(tn, tm, sk)]
+    if grid and not moe:
+        if m <= 32:
+            tms = [next(t for t in tiles if t >= m)]
+        else:
+            tms = [t for t in tiles if min(m, 256) / 4 <= t <= 2 * m]
+        splits = (1, 2, 4, 8) if m < 1024 else (1, 2)
+        cands += [(n_, t, s) for t in tms for n_ in (64, 128) for s in splits]
+    else:
+        i = tiles.index(tm)
+        cands += [(192 - tn, tm, sk)]
+        cands += [(tn, tiles[j], sk if tiles[j] <= 64 else 1) for j in (i - 1, i + 1)
+                  if 0 <= j < len(tiles)]  # fmt: skip
+        if not moe:
+            cands += [(tn, tm, max(1, sk // 2)), (tn, tm, sk * 2)]
     out: list[tuple[int, int, int]] = []
     for c in cands:
         kt = k // 64
         if c in out or not Kern.can_implement(n, k, c[0], c[2]) or kt // c[2] < 2:
             continue
-        if moe and c[2] != 1:
+        if c[2] > MAX_SPLIT_K or (c[1] // 2) % c[2] or (moe and c[2] != 1):
             continue
         out.append(c)
     return out
 
 
 def bench_ours(
-    shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget, sweep: bool = False
+    shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget, sweep: str = ""
 ) -> None:
     """Time cutedsl.sm90 on `shape` for each m into rows_by_m[m]["us"] (errors into ours_error).
     With `sweep`, also every `candidate_tactics` into "sweep_us" {tactic: us} and "best_tactic"."""
@@ -498,7 +513,7 @@ def bench_ours(
             r["tactic"] = list(tac)
             flops = 2.0 * rows * n * k * (g if shape.kind == "grouped" else 1)
             cands = candidate_tactics(rows if shape.kind == "moe" else m, n, k, g,
-                                      shape.kind == "moe") if sweep else [tac]  # fmt: skip
+                                      shape.kind == "moe", sweep == "grid") if sweep else [tac]  # fmt: skip
             times = {}
             for t in cands:
                 if t != tac and not budget.fits(f"ours {shape.name} M={m} tactic {t}"):
@@ -869,7 +884,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", default="", help="comma list of shape names to keep (no prefix)")
     p.add_argument("--impls", default="ours,cublas,marlin,deepgemm", help="comma list")
     p.add_argument(
-        "--sweep", action="store_true", help="also time neighbouring tactics of ours (best_tactic)"
+        "--sweep",
+        nargs="?",
+        const="neighbours",
+        default="",
+        choices=["neighbours", "grid"],
+        help="also time other tactics of ours (best_tactic): the heuristic's neighbours, or a grid",
     )
     p.add_argument(
         "--time-budget",

@@ -20,7 +20,7 @@ the two functions below):
 
 from __future__ import annotations
 
-from cutlass import Int32
+from cutlass import Float32, Int32
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -138,3 +138,47 @@ def ld_shared_v2_b32(addr: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32]:
     return _asm_i32xn(
         2, [addr], "ld.shared.v2.b32 {$0, $1}, [$2];", "r", side_effects=True, loc=loc, ip=ip
     )
+
+
+def _vec(n: int) -> str:
+    if n not in (1, 2, 4):
+        raise ValueError(f"vector width {n}: expected 1, 2 or 4")
+    return "" if n == 1 else f".v{n}"
+
+
+def _regs(first: int, n: int) -> str:
+    regs = ", ".join(f"${first + i}" for i in range(n))
+    return regs if n == 1 else "{" + regs + "}"
+
+
+@dsl_user_op
+def st_shared_f32xn(addr: Int32, vals: tuple, *, loc=None, ip=None) -> None:
+    """Store 1, 2 or 4 fp32 values to a shared-memory byte address (aligned to their size)."""
+    n = len(vals)
+    ops = [Int32(addr).ir_value(loc=loc, ip=ip)]
+    ops += [Float32(v).ir_value(loc=loc, ip=ip) for v in vals]
+    text = f"st.shared{_vec(n)}.f32 [$0], {_regs(1, n)};"
+    asm(None, ops, text, "r" + ",f" * n, side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mapa_shared(addr: Int32, rank: Int32, *, loc=None, ip=None) -> Int32:
+    """The shared::cluster address of byte `addr` of this CTA's shared memory in cluster CTA
+    `rank` (the same offset in that CTA's window)."""
+    ops = [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)]
+    text = "mapa.shared::cluster.u32 $0, $1, $2;"
+    return Int32(asm(T.i32(), ops, text, "=r,r,r", loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_shared_cluster_f32xn(addr: Int32, n: int, *, loc=None, ip=None) -> tuple[Float32, ...]:
+    """Load 1, 2 or 4 fp32 values from a shared::cluster address (`mapa_shared`); volatile, so it
+    stays after the cluster barrier that makes the data visible."""
+    ops = [Int32(addr).ir_value(loc=loc, ip=ip)]
+    text = f"ld.shared::cluster{_vec(n)}.f32 {_regs(0, n)}, [${n}];"
+    cons = ",".join(["=f"] * n) + ",r"
+    if n == 1:
+        return (Float32(asm(T.f32(), ops, text, cons, side_effects=True, loc=loc, ip=ip)),)
+    ty = ir.Type.parse("!llvm.struct<(" + ",".join(["f32"] * n) + ")>")
+    res = asm(ty, ops, text, cons, side_effects=True, loc=loc, ip=ip)
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n))

@@ -9,10 +9,10 @@ Math (per group l):  out[l][m, n] = gs[l] * sum_k a[l][m, k] * (e2m1(w[l][n, k])
   sf  (N, K/64, L) int32, N-major, 4 e5m3 block-scale codes per word (same docstring)
   gs  (L,)         fp32 global scale (weight_scale_2), applied in the epilogue
   out (N, M, L)    bf16 view of a row-major (L, M, N) tensor
-  part, sem        split_k = S > 1 only: fp32 partials (N, M, L*S) of a row-major (L, S, M, N)
-                   scratch (group l, split s at index l*S + s) and int32 per-tile counters, zeroed
-                   once (the kernel leaves them zero): the last split of a tile sums the partials
-                   in split order (deterministic) and writes `out` (no atomics on the data).
+Split-K (split_k = S > 1): the S CTAs of one output tile are one thread-block cluster (1, 1, S)
+along grid.z; each parks its fp32 accumulators in its own shared memory, and after a cluster
+barrier CTA s sums slice s of the tile over the S partials through distributed shared memory, in
+split order (deterministic), and writes `out`. No global scratch, no counters, no atomics.
 MoE mode (`moe=True`): a is (T, K, 1) with the rows of expert e at [offs[e], offs[e+1]) (offs int32
 (E+1,) on the device), out is (N, T, 1); grid.y covers ceil(T / tile_m) tiles for every expert and
 CTAs past their expert's row count exit at once, so routing never reaches the host.
@@ -32,9 +32,10 @@ Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n thre
   - warp 0 issues TMA loads per 64-wide K tile: bf16 activations (128B-swizzled, WGMMA layout),
     encoded weight bytes (tile_n x 32 B) and scale words (tile_n x 4 B) into a `stages` ring.
   - every warpgroup issues 4 RS-WGMMA (64 x tile_m x 16) per K tile and keeps one group in flight.
-  - epilogue: acc * gs -> bf16, predicated on the token count (split-K: see `_splitk_fixup`).
+  - epilogue: acc * gs -> bf16, predicated on the token count (split-K: see `_splitk_reduce`).
 
-Compile-time: tile_n (64|128), tile_m (16..256, multiple of 8), split_k, moe, dtypes, stages.
+Compile-time: tile_n (64|128), tile_m (16..256, multiple of 8), split_k (1..8, dividing tile_m/2;
+dense / grouped only), moe, dtypes, stages.
 Runtime: M (or T), the group count and strides, offs, pointers, stream.
 Graph safety: no host sync; the grid depends on M/T, N, split_k and L only.
 Constraints: N % tile_n == 0, K % (64 * split_k) == 0, K % 64 == 0.
@@ -54,6 +55,7 @@ from cutedsl.kernels import device_utils as du
 from cutedsl.kernels.checks import KernelTarget
 
 BK = 64  # logical K per pipeline stage (one 128-byte swizzle atom of bf16)
+MAX_SPLIT_K = 8  # a split-K cluster is at most the portable cluster size
 SMEM_CAPACITY = 232448  # sm_90 dynamic smem per CTA (227 KiB)
 
 
@@ -72,8 +74,13 @@ class Sm90Nvfp4W4A16GemmKernel:
             raise ValueError(f"tile_n must be 64 or 128, got {tile_n}")
         if tile_m % 8 != 0 or not 8 <= tile_m <= 256:
             raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {tile_m}")
-        if split_k < 1:
-            raise ValueError(f"split_k must be >= 1, got {split_k}")
+        if split_k < 1 or split_k > MAX_SPLIT_K or (tile_m // 2) % split_k:
+            raise ValueError(
+                f"split_k must be 1..{MAX_SPLIT_K} and divide tile_m/2 = {tile_m // 2}, "
+                f"got {split_k}"
+            )
+        if moe and split_k != 1:
+            raise ValueError("split-K is for dense / grouped GEMMs, not the MoE")
         self.tile_n = tile_n
         self.tile_m = tile_m
         self.split_k = split_k
@@ -81,6 +88,9 @@ class Sm90Nvfp4W4A16GemmKernel:
         self.num_wg = tile_n // 64
         self.threads = 128 * self.num_wg
         self.stages = stages if stages is not None else self._compute_stages(tile_n, tile_m)
+        # Split-K parks the fp32 tile (4 * tile_n * tile_m bytes) in the activation ring.
+        if split_k > 1 and self.stages * tile_m * BK * 2 < 4 * tile_n * tile_m:
+            raise ValueError(f"split-K needs >= {tile_n // 32} stages, got {self.stages}")
         self.buffer_align_bytes = 1024
 
     @staticmethod
@@ -90,7 +100,7 @@ class Sm90Nvfp4W4A16GemmKernel:
 
     @staticmethod
     def can_implement(n: int, k: int, tile_n: int, split_k: int) -> bool:
-        """GPU-free shape check (M is free)."""
+        """GPU-free shape check (M is free; the tile's own limits are checked in __init__)."""
         return n % tile_n == 0 and k % BK == 0 and (k // BK) % split_k == 0 and n > 0 and k > 0
 
     @cute.jit
@@ -101,8 +111,6 @@ class Sm90Nvfp4W4A16GemmKernel:
         sf: cute.Tensor,  # (N, K/64, L) int32 N-major (e5m3 x 4)
         gs: cute.Tensor,  # (L,) fp32
         out: cute.Tensor,  # (N, M, L) bf16, N-major; MoE: (N, T, 1)
-        part: cute.Tensor,  # (N, M, L*S) fp32 split-K partials, N-major; ignored if S == 1
-        sem: cute.Tensor,  # (L * m_tiles * n_tiles,) int32 zeroed split-K counters; ditto
         offs: cute.Tensor,  # (E+1,) int32 expert row starts (MoE); ignored otherwise
         stream: cuda.CUstream,
     ):
@@ -166,7 +174,6 @@ class Sm90Nvfp4W4A16GemmKernel:
             sS: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Int32, cute.cosize(self.ss_layout)], 128
             ]
-            last: cute.struct.MemRange[cutlass.Int32, 4]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -178,14 +185,17 @@ class Sm90Nvfp4W4A16GemmKernel:
             mS,
             gs,
             out,
-            part,
-            sem,
             offs,
             self.tiled_mma,
             self.sa_layout,
             self.sq_layout,
             self.ss_layout,
-        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
+        ).launch(
+            grid=grid,
+            block=[self.threads, 1, 1],
+            cluster=[1, 1, self.split_k] if self.split_k > 1 else None,
+            stream=stream,
+        )
 
     @cute.kernel
     def kernel(
@@ -198,8 +208,6 @@ class Sm90Nvfp4W4A16GemmKernel:
         mS: cute.Tensor,
         mGS: cute.Tensor,
         mC: cute.Tensor,
-        mP: cute.Tensor,
-        mSem: cute.Tensor,
         mOffs: cute.Tensor,
         tiled_mma: cute.TiledMma,
         sa_layout: cute.ComposedLayout,
@@ -252,6 +260,7 @@ class Sm90Nvfp4W4A16GemmKernel:
             sS = storage.sS.get_tensor(ss_layout)
             sQ_addr = storage.sQ.data_ptr().toint()
             sS_addr = storage.sS.data_ptr().toint()
+            park = storage.sA.data_ptr().toint()  # split-K: the fp32 tile, after the mainloop
 
             # ------------------------------------------------------------ global tiles
             mA_cta = mA
@@ -378,55 +387,41 @@ class Sm90Nvfp4W4A16GemmKernel:
                         if tCcC[i][1] < rows_left:
                             tCgC[i] = (acc[i] * scale).to(self.out_dtype)
                 else:
-                    self._splitk_fixup(
-                        acc, tCcC, tCgC, rows_left, scale, mP, mSem, thr_epi, storage, tidx,
-                        n_tile, m_tile, grp, split, cute.size(mA, mode=[0]), cute.size(mQ, mode=[0]),
+                    self._splitk_reduce(
+                        acc, tCcC, tCgC, rows_left, scale, park, tidx, split,
                     )  # fmt: skip
 
     @cute.jit
-    def _splitk_fixup(
-        self, acc, tCcC, tCgC, rows_left, scale, mP, mSem, thr_epi, storage, tidx,
-        n_tile, m_tile, grp, split, m_total, n_total,
-    ):  # fmt: skip
-        """Split-K without atomics on the data: every split stores its fp32 partial tile; the
-        last split to arrive at the tile's counter (gpu-scope acq_rel atomic) sums the S partials
-        in split order, so the result is bit-identical whichever CTA is last, writes bf16 and
-        resets the counter to 0 for the next launch."""
+    def _splitk_reduce(self, acc, tCcC, tCgC, rows_left, scale, park, tidx, split):
+        """Split-K through distributed shared memory: every CTA of the cluster parks its fp32
+        accumulators at `park` (the activation ring, idle now), element i of thread t at word
+        i * threads + t in vectors of `vw`; after a cluster barrier CTA `split` owns fragment
+        elements [split * E/S, (split+1) * E/S) of every thread, sums them over the S CTAs in
+        rank (= split) order (bit-identical on every run) and writes bf16. A second barrier keeps
+        each CTA's shared memory alive until its peers have read it."""
         S = self.split_k
-        parts = [
-            thr_epi.partition_C(
-                cute.local_tile(mP, (self.tile_n, self.tile_m), (n_tile, m_tile, grp * S + s))
-            )
-            for s in range(S)
-        ]
-        mine = thr_epi.partition_C(
-            cute.local_tile(mP, (self.tile_n, self.tile_m), (n_tile, m_tile, grp * S + split))
-        )
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            if tCcC[i][1] < rows_left:
-                mine[i] = acc[i]
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier()
-        flag = storage.last.get_tensor(cute.make_layout(4))
-        if tidx == 0:
-            m_tiles = (m_total + self.tile_m - 1) // self.tile_m
-            idx = (grp * m_tiles + m_tile) * (n_total // self.tile_n) + n_tile
-            old = cute.arch.atomic_add(
-                (mSem.iterator + idx).llvm_ptr, cutlass.Int32(1), sem="acq_rel", scope="gpu"
-            )
-            flag[0] = cutlass.Int32(0)
-            if old == S - 1:
-                flag[0] = cutlass.Int32(1)
-                mSem[idx] = cutlass.Int32(0)
-        cute.arch.barrier()
-        if flag[0] != 0:
-            cute.arch.fence_acq_rel_gpu()
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                if tCcC[i][1] < rows_left:
-                    tot = parts[0][i]
-                    for s in cutlass.range_constexpr(1, S):
-                        tot = tot + parts[s][i]
-                    tCgC[i] = (tot * scale).to(self.out_dtype)
+        E = cute.size(acc)
+        per = E // S  # elements each CTA reduces (per thread)
+        vw = 4 if per % 4 == 0 else (2 if per % 2 == 0 else 1)
+        cute.arch.barrier()  # every warpgroup is past its last WGMMA read of the ring
+        for c in cutlass.range_constexpr(E // vw):
+            addr = park + ((c * self.threads + tidx) * vw) * 4
+            du.st_shared_f32xn(addr, tuple(acc[c * vw + v] for v in range(vw)))
+        cute.arch.cluster_arrive()  # release: the parked tile is visible cluster-wide
+        cute.arch.cluster_wait()
+        peers = [du.mapa_shared(park, s) for s in range(S)]
+        for c in cutlass.range_constexpr(E // vw):
+            if c // (per // vw) == split:
+                off = ((c * self.threads + tidx) * vw) * 4
+                tot = list(du.ld_shared_cluster_f32xn(peers[0] + off, vw))
+                for s in cutlass.range_constexpr(1, S):
+                    part = du.ld_shared_cluster_f32xn(peers[s] + off, vw)
+                    tot = [tot[v] + part[v] for v in range(vw)]
+                for v in cutlass.range_constexpr(vw):
+                    if tCcC[c * vw + v][1] < rows_left:
+                        tCgC[c * vw + v] = (tot[v] * scale).to(self.out_dtype)
+        cute.arch.cluster_arrive_relaxed()  # the peers' reads are done before any CTA exits
+        cute.arch.cluster_wait()
 
     @cute.jit
     def _dequant(self, frag, sQ_addr, sS_addr, stage, q_off, s_off):
@@ -509,7 +504,7 @@ class Sm90Nvfp4W4A16GemmKernel:
 
 
 def fake_operands(moe: bool):
-    """Fake (a, w, sf, gs, out, part, sem, offs, stream): dynamic M/T, N, K and group count."""
+    """Fake (a, w, sf, gs, out, offs, stream): dynamic M/T, N, K and group count."""
     s32 = cute.sym_int32
     m = s32(symbol="M")
     n = s32(divisibility=64, symbol="N")
@@ -531,13 +526,8 @@ def fake_operands(moe: bool):
     out = make_fake_compact_tensor(
         cutlass.BFloat16, (n, m, la), stride_order=(0, 1, 2), assumed_align=16
     )
-    mp, lp = s32(symbol="MP"), s32(symbol="LP")  # partials: (N, M, L*S), or a dummy if S == 1
-    part = make_fake_compact_tensor(
-        cutlass.Float32, (s32(symbol="NP"), mp, lp), stride_order=(0, 1, 2), assumed_align=16
-    )
-    sem = make_fake_compact_tensor(cutlass.Int32, (s32(symbol="NS"),), assumed_align=4)
     offs = make_fake_compact_tensor(cutlass.Int32, (s32(symbol="E1"),), assumed_align=4)
-    return a, w, sf, gs, out, part, sem, offs, make_fake_stream(use_tvm_ffi_env_stream=True)
+    return a, w, sf, gs, out, offs, make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 def compile_kernel(
@@ -553,12 +543,13 @@ def compile_kernel(
 def check_targets() -> list[KernelTarget]:
     """One target per variant: dense/grouped (same kernel, L groups), split-K, MoE offsets. Every
     one must show register-A WGMMA (HGMMA reading an R operand), the prmt decode and TMA; split-K
-    also the counter atomic and its gpu-scope fences."""
+    also the cluster barrier and the distributed-shared-memory loads of the reduction."""
     variants = [
         ("sm90.w4a16_gemm.grouped.n128m256", 128, 256, 1, False, ()),
         ("sm90.w4a16_gemm.grouped.n64m16", 64, 16, 1, False, ()),
         ("sm90.w4a16_gemm.grouped.splitk4", 64, 16, 4, False,
-         (r"atom\.global\.acq_rel\.add", r"fence\.acq_rel\.gpu")),
+         (r"barrier\.cluster\.arrive", r"mapa\.shared::cluster",
+          r"ld\.shared::cluster\.v2\.f32")),
         ("sm90.w4a16_gemm.moe_offs.n128m64", 128, 64, 1, True, ()),
     ]  # fmt: skip
     return [
