@@ -38,11 +38,10 @@ def tiled_view(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> int:
     out = []
     cases = [
-        ("routed_w13", 256, 4096, 4096, (16, 64, 256)),
-        ("routed_w2", 256, 4096, 2048, (16, 64, 256)),
-        ("wq_b", 1, 32768, 1024, (1, 32, 128)),
-        ("wo_b", 1, 4096, 8192, (1, 16, 64)),
-        ("shared_w13", 1, 4096, 4096, (16, 256)),
+        ("routed_w13", 256, 4096, 4096, (16, 64)),
+        ("routed_w2", 256, 4096, 2048, (16,)),
+        ("wq_b", 1, 32768, 1024, (1, 128)),
+        ("wo_b", 1, 4096, 8192, (16,)),
     ]
     for name, e, n, k, ms in cases:
         moe = e > 1

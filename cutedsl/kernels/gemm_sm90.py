@@ -514,10 +514,10 @@ class Sm90Nvfp4W4A16GemmKernel:
             qb, sb = self.tile_n * BK // 2, self.tile_n * 4
             mb = bar.toint()
             src_q = tQgQ[0] + cutlass.Int64(k) * tQgQ[1]
-            du.cp_async_bulk_g2s(tQsQ + prod.index * qb, src_q, qb, mb)
-            du.cp_async_bulk_g2s(
-                tSsS + prod.index * sb, tSgS[0] + cutlass.Int64(k) * tSgS[1], sb, mb
-            )
+            src_s = tSgS[0] + cutlass.Int64(k) * tSgS[1]
+            with cute.arch.elect_one():  # one lane of the producer warp (a TMA atom does the same)
+                du.cp_async_bulk_g2s(tQsQ + prod.index * qb, src_q, qb, mb)
+                du.cp_async_bulk_g2s(tSsS + prod.index * sb, src_s, sb, mb)
         else:
             cute.copy(tma_q, tQgQ[(None, k)], tQsQ[(None, prod.index)], tma_bar_ptr=bar)
             cute.copy(tma_s, tSgS[(None, k)], tSsS[(None, prod.index)], tma_bar_ptr=bar)
