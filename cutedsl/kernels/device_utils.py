@@ -182,20 +182,3 @@ def ld_shared_cluster_f32xn(addr: Int32, n: int, *, loc=None, ip=None) -> tuple[
     ty = ir.Type.parse("!llvm.struct<(" + ",".join(["f32"] * n) + ")>")
     res = asm(ty, ops, text, cons, side_effects=True, loc=loc, ip=ip)
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n))
-
-
-@dsl_user_op
-def cp_async_bulk_g2s(dst: Int32, src, nbytes: Int32, mbar: Int32, *, loc=None, ip=None) -> None:
-    """Bulk copy (TMA without a tensor map) of `nbytes` (a multiple of 16) contiguous bytes from
-    global address `src` (Int64, 16-byte aligned) to shared address `dst`, completing as
-    transaction bytes on the mbarrier at shared address `mbar`."""
-    from cutlass import Int64
-
-    ops = [
-        Int32(dst).ir_value(loc=loc, ip=ip),
-        Int64(src).ir_value(loc=loc, ip=ip),
-        Int32(nbytes).ir_value(loc=loc, ip=ip),
-        Int32(mbar).ir_value(loc=loc, ip=ip),
-    ]
-    text = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];"
-    asm(None, ops, text, "r,l,r,r", side_effects=True, loc=loc, ip=ip)

@@ -69,7 +69,6 @@ class Sm90Nvfp4W4A16GemmKernel:
         split_k: int = 1,
         moe: bool = False,
         stages: int | None = None,
-        w_bulk: bool = False,
     ):
         if tile_n not in (64, 128):
             raise ValueError(f"tile_n must be 64 or 128, got {tile_n}")
@@ -86,9 +85,6 @@ class Sm90Nvfp4W4A16GemmKernel:
         self.tile_m = tile_m
         self.split_k = split_k
         self.moe = moe
-        # EXPERIMENT: w given K-tile-major as (N, 32, K/64 * L); weights and scales of a K tile
-        # fetched with one 1-D bulk copy each (no tensor map: tile_n x 32 B is contiguous)
-        self.w_bulk = w_bulk
         self.num_wg = tile_n // 64
         self.threads = 128 * self.num_wg
         self.stages = stages if stages is not None else self._compute_stages(tile_n, tile_m)
@@ -147,20 +143,17 @@ class Sm90Nvfp4W4A16GemmKernel:
         tma_a, mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, a, cute.slice_(self.sa_layout, (None, None, 0)), (self.tile_m, BK)
         )
-        if cutlass.const_expr(self.w_bulk):
-            tma_q, mQ, tma_s, mS = tma_a, w, tma_a, sf  # no tensor maps: placeholders
-        else:
-            tma_q, mQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                g2s, w, cute.slice_(self.sq_layout, (None, None, 0)), (self.tile_n, BK // 2)
-            )
-            tma_s, mS = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                g2s, sf, cute.slice_(self.ss_layout, (None, None, 0)), (self.tile_n, 1)
-            )
+        tma_q, mQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, w, cute.slice_(self.sq_layout, (None, None, 0)), (self.tile_n, BK // 2)
+        )
+        tma_s, mS = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, sf, cute.slice_(self.ss_layout, (None, None, 0)), (self.tile_n, 1)
+        )
         self.tx_bytes = self.tile_m * BK * 2 + self.tile_n * BK // 2 + self.tile_n * 4
 
         n_tiles = cute.size(w, mode=[0]) // self.tile_n
         m_tiles = (cute.size(a, mode=[0]) + self.tile_m - 1) // self.tile_m
-        groups = cute.size(sf, mode=[2])
+        groups = cute.size(w, mode=[2])
         if cutlass.const_expr(self.moe):
             # Token tiles per expert are unknown on the host: grid.y covers twice the uniform
             # share (+1) and each CTA loops over m tiles y, y + grid.y, ... of its expert, so a
@@ -246,9 +239,8 @@ class Sm90Nvfp4W4A16GemmKernel:
         if m_tile < n_mt:
             if warp_idx == 0:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
-                if cutlass.const_expr(not self.w_bulk):
-                    cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
-                    cute.nvgpu.cpasync.prefetch_descriptor(tma_s)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_s)
 
             # ------------------------------------------------------------ smem + pipeline
             smem = cutlass.utils.SmemAllocator()
@@ -274,33 +266,26 @@ class Sm90Nvfp4W4A16GemmKernel:
             mA_cta = mA
             if cutlass.const_expr(self.moe):
                 mA_cta = cute.domain_offset((row_start, 0, 0), mA)
-            if cutlass.const_expr(self.w_bulk):
-                n_all = cute.size(mS, mode=[0])
-                k_tiles_total = cute.size(mS, mode=[1])
-                tile0 = grp * k_tiles_total * n_all + n_tile * self.tile_n  # K tile 0's first row
-                tQgQ = (mQ.iterator.toint() + cutlass.Int64(tile0) * (BK // 2), n_all * (BK // 2))
-                tSgS = (mS.iterator.toint() + cutlass.Int64(tile0) * 4, n_all * 4)
-                tQsQ, tSsS = sQ_addr, sS_addr
-            else:
-                # (tile_n, BK/2, k_tiles)
-                gQ = cute.local_tile(mQ, (self.tile_n, BK // 2), (n_tile, None, grp))
-                # (tile_n, 1, k_tiles)
-                gS = cute.local_tile(mS, (self.tile_n, 1), (n_tile, None, grp))
-                tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(
-                    tma_q,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sQ, 0, 2),
-                    cute.group_modes(gQ, 0, 2),
-                )
-                tSsS, tSgS = cute.nvgpu.cpasync.tma_partition(
-                    tma_s,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sS, 0, 2),
-                    cute.group_modes(gS, 0, 2),
-                )
-                k_tiles_total = cute.size(gQ, mode=[2])
+            # (tile_n, BK/2, k_tiles)
+            gQ = cute.local_tile(mQ, (self.tile_n, BK // 2), (n_tile, None, grp))
+            # (tile_n, 1, k_tiles)
+            gS = cute.local_tile(mS, (self.tile_n, 1), (n_tile, None, grp))
+            tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(
+                tma_q,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sQ, 0, 2),
+                cute.group_modes(gQ, 0, 2),
+            )
+            tSsS, tSgS = cute.nvgpu.cpasync.tma_partition(
+                tma_s,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sS, 0, 2),
+                cute.group_modes(gS, 0, 2),
+            )
+
+            k_tiles_total = cute.size(gQ, mode=[2])
             k_cnt = k_tiles_total // self.split_k
             k_first = split * k_cnt
 
@@ -510,24 +495,15 @@ class Sm90Nvfp4W4A16GemmKernel:
         k = k_off + prod.count  # global K tile index
         bar = mainloop.producer_get_barrier(prod)
         cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
-        if cutlass.const_expr(self.w_bulk):
-            qb, sb = self.tile_n * BK // 2, self.tile_n * 4
-            mb = bar.toint()
-            src_q = tQgQ[0] + cutlass.Int64(k) * tQgQ[1]
-            src_s = tSgS[0] + cutlass.Int64(k) * tSgS[1]
-            with cute.arch.elect_one():  # one lane of the producer warp (a TMA atom does the same)
-                du.cp_async_bulk_g2s(tQsQ + prod.index * qb, src_q, qb, mb)
-                du.cp_async_bulk_g2s(tSsS + prod.index * sb, src_s, sb, mb)
-        else:
-            cute.copy(tma_q, tQgQ[(None, k)], tQsQ[(None, prod.index)], tma_bar_ptr=bar)
-            cute.copy(tma_s, tSgS[(None, k)], tSsS[(None, prod.index)], tma_bar_ptr=bar)
+        cute.copy(tma_q, tQgQ[(None, k)], tQsQ[(None, prod.index)], tma_bar_ptr=bar)
+        cute.copy(tma_s, tSgS[(None, k)], tSsS[(None, prod.index)], tma_bar_ptr=bar)
         mainloop.producer_commit(prod)
 
 
 # ------------------------------------------------------------------------------ fake tensors
 
 
-def fake_operands(moe: bool, w_bulk: bool = False):
+def fake_operands(moe: bool):
     """Fake (a, w, sf, gs, out, offs, stream): dynamic M/T, N, K and group count."""
     s32 = cute.sym_int32
     m = s32(symbol="M")
@@ -543,10 +519,6 @@ def fake_operands(moe: bool, w_bulk: bool = False):
     w = make_fake_compact_tensor(
         cutlass.Uint8, (n, kh, g), stride_order=(1, 0, 2), assumed_align=16
     )
-    if w_bulk:  # EXPERIMENT: K-tile-major (N, 32, K/64 * L)
-        w = make_fake_compact_tensor(
-            cutlass.Uint8, (n, BK // 2, s32(symbol="KTL")), stride_order=(1, 0, 2), assumed_align=16
-        )
     sf = make_fake_compact_tensor(
         cutlass.Int32, (n, kt, g), stride_order=(0, 1, 2), assumed_align=16
     )
@@ -559,19 +531,11 @@ def fake_operands(moe: bool, w_bulk: bool = False):
 
 
 def compile_kernel(
-    tile_n: int,
-    tile_m: int,
-    split_k: int,
-    moe: bool,
-    *,
-    no_jit_engine: bool = False,
-    w_bulk: bool = False,
+    tile_n: int, tile_m: int, split_k: int, moe: bool, *, no_jit_engine: bool = False
 ) -> object:
     """cute.compile one variant from fake tensors (TVM-FFI, env stream)."""
-    kernel = Sm90Nvfp4W4A16GemmKernel(
-        tile_n=tile_n, tile_m=tile_m, split_k=split_k, moe=moe, w_bulk=w_bulk
-    )
-    args = fake_operands(moe, w_bulk)
+    kernel = Sm90Nvfp4W4A16GemmKernel(tile_n=tile_n, tile_m=tile_m, split_k=split_k, moe=moe)
+    args = fake_operands(moe)
     kw = {"no_jit_engine": True} if no_jit_engine else {}
     return cute.compile(kernel, *args, options="--enable-tvm-ffi", **kw)
 
