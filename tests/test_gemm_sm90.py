@@ -333,6 +333,40 @@ def test_grouped_equal_groups(name: str, g: int, r: int, d: int, m: int) -> None
     _assert_close(out, ref, f"{name} M={m}")
 
 
+MEASURED = [
+    (n, k, g, m_max, tactic)
+    for (n, k, g), entries in S._tuned_table().items()
+    for m_max, tactic in entries
+]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize(
+    ("n", "k", "g", "m_max", "tactic"),
+    MEASURED,
+    ids=[f"n{n}k{k}g{g}-m{m}-" + "x".join(map(str, t)) for n, k, g, m, t in MEASURED],
+)
+def test_every_measured_tactic(n: int, k: int, g: int, m_max: int, tactic: tuple) -> None:
+    """Each entry of the measured tactic table on its own shape, through the default launch
+    path (the table picks it), at an odd row count in its M range: the sweep that chose these
+    timed them but did not check their values."""
+    m = max(1, m_max - 1)
+    assert S.choose_tactic(m, n, k, g) == tactic
+    packed, sf, gs = _rand_weight(g, n, k)
+    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    if g == 1:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = _poison((m, n))
+        S.sm90_nvfp4_gemm_prepared(a, wp, out=out)
+        ref = _ref(a, packed[0], sf[0], gs[0])
+    else:
+        a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
+        out = _poison((g, m, n))
+        S.sm90_nvfp4_grouped_gemm(a, wp, out=out)
+        ref = torch.stack([_ref(a[i], packed[i], sf[i], gs[i]) for i in range(g)])
+    _assert_close(out, ref, f"N={n} K={k} G={g} M={m} tactic {tactic}")
+
+
 def _moe_case(e: int, n: int, k: int, counts: list[int]):
     packed, sf, gs = _rand_weight(e, n, k)
     wp = S.prepare_nvfp4_weight(packed, sf, gs)
