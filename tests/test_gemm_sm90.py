@@ -61,6 +61,7 @@ def test_split_k_limits_are_refused(tile_m: int, split_k: int, moe: bool) -> Non
 
 
 def test_choose_tactic_splits_fit_a_cluster() -> None:
+    assert S.MAX_SPLIT_K == gemm_sm90.MAX_SPLIT_K  # the host copy of the kernel's cluster limit
     for m in (1, 7, 16, 33, 64, 100, 200, 256, 1000, 5000):
         for n, k in ((1536, 4096), (32768, 1024), (4096, 8192), (512, 512), (2048, 1024)):
             tn, tm, sk = S.choose_tactic(m, n, k, 1)
