@@ -428,7 +428,6 @@ def candidate_tactics(
     min(m, 256) / 4 up to 2x m, every split 1..8 the kernel takes (1, 2 from m = 1024). All valid
     for the shape."""
     from cutedsl import sm90 as S
-    from cutedsl.kernels.gemm_sm90 import MAX_SPLIT_K
     from cutedsl.kernels.gemm_sm90 import Sm90Nvfp4W4A16GemmKernel as Kern
 
     tn, tm, sk = S.launch_tactic(m, n, k, groups, moe)
@@ -453,7 +452,7 @@ def candidate_tactics(
         kt = k // 64
         if c in out or not Kern.can_implement(n, k, c[0], c[2]) or kt // c[2] < 2:
             continue
-        if c[2] > MAX_SPLIT_K or (c[1] // 2) % c[2] or (moe and c[2] != 1):
+        if Kern.split_error(c[1], c[2], moe):
             continue
         out.append(c)
     return out

@@ -74,13 +74,9 @@ class Sm90Nvfp4W4A16GemmKernel:
             raise ValueError(f"tile_n must be 64 or 128, got {tile_n}")
         if tile_m % 8 != 0 or not 8 <= tile_m <= 256:
             raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {tile_m}")
-        if split_k < 1 or split_k > MAX_SPLIT_K or (tile_m // 2) % split_k:
-            raise ValueError(
-                f"split_k must be 1..{MAX_SPLIT_K} and divide tile_m/2 = {tile_m // 2}, "
-                f"got {split_k}"
-            )
-        if moe and split_k != 1:
-            raise ValueError("split-K is for dense / grouped GEMMs, not the MoE")
+        err = self.split_error(tile_m, split_k, moe)
+        if err:
+            raise ValueError(err)
         self.tile_n = tile_n
         self.tile_m = tile_m
         self.split_k = split_k
@@ -97,6 +93,20 @@ class Sm90Nvfp4W4A16GemmKernel:
     def _compute_stages(tile_n: int, tile_m: int) -> int:
         per_stage = tile_m * BK * 2 + tile_n * BK // 2 + tile_n * 4
         return max(2, min(8, (SMEM_CAPACITY - 2048) // per_stage))
+
+    @staticmethod
+    def split_error(tile_m: int, split_k: int, moe: bool) -> str | None:
+        """Why the kernel refuses this K split (None if it takes it): a split-K cluster has at
+        most MAX_SPLIT_K CTAs, each reducing an equal share of every thread's tile_m / 2
+        accumulators, and the MoE never splits."""
+        if split_k < 1 or split_k > MAX_SPLIT_K or (tile_m // 2) % split_k:
+            return (
+                f"split_k must be 1..{MAX_SPLIT_K} and divide tile_m/2 = {tile_m // 2}, "
+                f"got {split_k}"
+            )
+        if moe and split_k != 1:
+            return "split-K is for dense / grouped GEMMs, not the MoE"
+        return None
 
     @staticmethod
     def can_implement(n: int, k: int, tile_n: int, split_k: int) -> bool:
