@@ -60,6 +60,38 @@ def test_split_k_limits_are_refused(tile_m: int, split_k: int, moe: bool) -> Non
         gemm_sm90.Sm90Nvfp4W4A16GemmKernel(tile_n=64, tile_m=tile_m, split_k=split_k, moe=moe)
 
 
+@pytest.mark.parametrize(
+    ("tile_m", "split_k", "moe"),
+    [(64, 2, False), (64, 1, True), (24, 1, False)],
+    ids=["split-k", "moe", "tile-not-16"],
+)
+def test_staged_epilogue_limits(tile_m: int, split_k: int, moe: bool) -> None:
+    """The staged epilogue is the default for unsplit dense / grouped tiles of a multiple of 16
+    tokens, and is refused elsewhere (split-K reduces through DSMEM, MoE CTAs reload the ring)."""
+    K = gemm_sm90.Sm90Nvfp4W4A16GemmKernel
+    assert K(tile_n=128, tile_m=256).staged_epilogue and K(tile_n=64, tile_m=16).staged_epilogue
+    assert not K(tile_n=64, tile_m=tile_m, split_k=split_k, moe=moe).staged_epilogue
+    with pytest.raises(ValueError, match="staged epilogue"):
+        K(tile_n=64, tile_m=tile_m, split_k=split_k, moe=moe, staged_epilogue=True)
+    with pytest.raises(ValueError, match="staged epilogue needs >= 3 stages"):
+        K(tile_n=128, tile_m=64, stages=2)
+
+
+@pytest.mark.parametrize("tile_n", [64, 128])
+@pytest.mark.parametrize("tile_m", [16, 32, 64, 128, 256])
+def test_stage_count_fits_and_pairs_ctas(tile_n: int, tile_m: int) -> None:
+    """The ring fits one CTA's shared memory; where registers allow two CTAs per SM (tile_n 64 or
+    tile_m <= 128) and two rings of >= 4 stages fit half of it, two CTAs share the SM."""
+    per_stage = tile_m * 128 + tile_n * 32 + tile_n * 4
+    st = gemm_sm90.Sm90Nvfp4W4A16GemmKernel(tile_n=tile_n, tile_m=tile_m).stages
+    assert 2 <= st <= 8 and st * per_stage + 2048 <= gemm_sm90.SMEM_CAPACITY
+    two = (gemm_sm90.SMEM_CAPACITY // 2 - 2048) // per_stage
+    if (tile_n == 64 or tile_m <= 128) and two >= 4:
+        assert st == min(8, two)
+        assert 2 * (st * per_stage + 2048) <= gemm_sm90.SMEM_CAPACITY
+    assert (tile_n, tile_m, st) != (128, 128, 8)  # the H200 measurement: 5 (two CTAs) wins
+
+
 def test_choose_tactic_splits_fit_a_cluster() -> None:
     assert S.MAX_SPLIT_K == gemm_sm90.MAX_SPLIT_K  # the host copy of the kernel's cluster limit
     for m in (1, 7, 16, 33, 64, 100, 200, 256, 1000, 5000):
@@ -304,6 +336,34 @@ def test_dense_every_tactic(tactic) -> None:
     out = _poison((m, n))
     S.sm90_nvfp4_gemm_prepared(a, wp, out=out, tactic=tactic)
     _assert_close(out, _ref(a, packed[0], sf[0], gs[0]), f"tactic {tactic}")
+
+
+STAGED = [(128, 256), (64, 16), (128, 128), (64, 128), (64, 256), (128, 32)]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("tile", STAGED, ids=[f"n{t[0]}m{t[1]}" for t in STAGED])
+def test_staged_epilogue_matches_register_stores(tile) -> None:
+    """The staged epilogue (stmatrix + 16-byte stores) writes exactly what the register epilogue
+    writes, bit for bit, on grouped operands with a token tail in every group."""
+    from cutedsl.kernels.gemm_sm90 import compile_kernel
+
+    tn, tm = tile
+    g, n, k, m = 2, 512, 1024, 3 * tm // 2 + 5
+    packed, sf, gs = _rand_weight(g, n, k)
+    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
+    offs = torch.zeros(1, dtype=torch.int32, device="cuda")
+    outs = []
+    for staged in (True, False):
+        fn = compile_kernel(tn, tm, 1, False, staged_epilogue=staged)
+        out = _poison((g, m, n))
+        fn(a.permute(1, 2, 0), wp.w.permute(1, 2, 0), wp.sf.permute(2, 1, 0), wp.gs,
+           out.permute(2, 1, 0), offs)  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), f"tile {tile}: staged and register epilogues differ"
+    for i in range(g):
+        _assert_close(outs[0][i], _ref(a[i], packed[i], sf[i], gs[i]), f"tile {tile} group {i}")
 
 
 @pytest.mark.sm90

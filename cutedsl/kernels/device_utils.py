@@ -20,7 +20,7 @@ the two functions below):
 
 from __future__ import annotations
 
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -182,3 +182,46 @@ def ld_shared_cluster_f32xn(addr: Int32, n: int, *, loc=None, ip=None) -> tuple[
     ty = ir.Type.parse("!llvm.struct<(" + ",".join(["f32"] * n) + ")>")
     res = asm(ty, ops, text, cons, side_effects=True, loc=loc, ip=ip)
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n))
+
+
+@dsl_user_op
+def cvt_bf16x2_f32(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """Two fp32 values rounded (RN) to one bf16x2 word, `lo` in the low half."""
+    ops = [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)]
+    text = "cvt.rn.bf16x2.f32 $0, $1, $2;"  # the first source goes to the upper half
+    return Int32(asm(T.i32(), ops, text, "=r,f,f", loc=loc, ip=ip))
+
+
+@dsl_user_op
+def stmatrix_x4_trans(addr: Int32, words: tuple, *, loc=None, ip=None) -> None:
+    """`stmatrix .x4 .trans`: word q of every lane is its (row lane / 4, columns 2 (lane % 4) + 0..1)
+    bf16 pair of 8x8 matrix q; lane 8q + r gives the 16-byte-aligned shared address that receives
+    column r of matrix q (its 8 rows, 16 contiguous bytes)."""
+    ops = [Int32(addr).ir_value(loc=loc, ip=ip)]
+    ops += [Int32(w).ir_value(loc=loc, ip=ip) for w in words]
+    text = "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, $3, $4};"
+    asm(None, ops, text, "r,r,r,r,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_shared_v4_b32(addr: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """128-bit load (four 32-bit words) from a shared-memory byte address (16-byte aligned);
+    volatile, so it stays after the barrier that makes the data visible."""
+    return _asm_i32xn(
+        4,
+        [addr],
+        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "r",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def st_global_v4_b32(addr: Int64, words: tuple, *, loc=None, ip=None) -> None:
+    """128-bit store of four 32-bit words to a global byte address (16-byte aligned)."""
+    ops = [Int64(addr).ir_value(loc=loc, ip=ip)]
+    ops += [Int32(w).ir_value(loc=loc, ip=ip) for w in words]
+    text = "st.global.v4.b32 [$0], {$1, $2, $3, $4};"
+    asm(None, ops, text, "l,r,r,r,r", side_effects=True, loc=loc, ip=ip)

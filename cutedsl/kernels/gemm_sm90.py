@@ -32,7 +32,10 @@ Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n thre
   - warp 0 issues TMA loads per 64-wide K tile: bf16 activations (128B-swizzled, WGMMA layout),
     encoded weight bytes (tile_n x 32 B) and scale words (tile_n x 4 B) into a `stages` ring.
   - every warpgroup issues 4 RS-WGMMA (64 x tile_m x 16) per K tile and keeps one group in flight.
-  - epilogue: acc * gs -> bf16, predicated on the token count (split-K: see `_splitk_reduce`).
+  - epilogue: acc * gs -> bf16, predicated on the token count. Unsplit dense / grouped tiles
+    stage the bf16 tile in the idle ring (`_staged_epilogue`: stmatrix, then 16-byte stores of
+    whole token rows); MoE tiles store from registers; split-K: see `_splitk_reduce`.
+  - the ring is as deep as lets two CTAs share an SM where registers allow (`_compute_stages`).
 
 Compile-time: tile_n (64|128), tile_m (16..256, multiple of 8), split_k (1..8, dividing tile_m/2;
 dense / grouped only), moe, dtypes, stages.
@@ -69,6 +72,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         split_k: int = 1,
         moe: bool = False,
         stages: int | None = None,
+        staged_epilogue: bool | None = None,
     ):
         if tile_n not in (64, 128):
             raise ValueError(f"tile_n must be 64 or 128, got {tile_n}")
@@ -87,12 +91,31 @@ class Sm90Nvfp4W4A16GemmKernel:
         # Split-K parks the fp32 tile (4 * tile_n * tile_m bytes) in the activation ring.
         if split_k > 1 and self.stages * tile_m * BK * 2 < 4 * tile_n * tile_m:
             raise ValueError(f"split-K needs >= {tile_n // 32} stages, got {self.stages}")
+        # The bf16 tile goes out through shared memory (stmatrix, then 16-byte stores of whole
+        # token rows) for dense / grouped unsplit tiles; MoE CTAs loop over m tiles and reload
+        # the ring after each epilogue, so they store from registers.
+        staged_ok = not moe and split_k == 1 and tile_m % 16 == 0
+        self.staged_epilogue = staged_ok if staged_epilogue is None else staged_epilogue
+        if self.staged_epilogue and not staged_ok:
+            raise ValueError("the staged epilogue needs split_k == 1, tile_m % 16 == 0, no MoE")
+        if self.staged_epilogue and self.stages * BK * 2 < tile_n * 2 + 16:
+            raise ValueError(f"the staged epilogue needs >= {tile_n // 64 + 1} stages")
         self.buffer_align_bytes = 1024
 
     @staticmethod
     def _compute_stages(tile_n: int, tile_m: int) -> int:
+        """The deepest ring (<= 8 stages) with which two CTAs share an SM, where their registers
+        allow it (tile_n 64, or tile_m <= 128: <= 128 registers for 256 threads) and it keeps >= 4
+        stages; else the deepest ring that fits. H200 2026-12-03 (bench/experiments/stages.py):
+        128x128 with 5 stages (two CTAs) is 1.23x faster than with 8 (one) on wq_b at M = 128 and
+        1024, and never slower; 64x256 with 3 stages (two CTAs) is 1.15x faster at M = 4096 but
+        1.18x slower at M = 256 (a small grid wants depth), hence the >= 4."""
         per_stage = tile_m * BK * 2 + tile_n * BK // 2 + tile_n * 4
-        return max(2, min(8, (SMEM_CAPACITY - 2048) // per_stage))
+        deepest = max(2, min(8, (SMEM_CAPACITY - 2048) // per_stage))
+        shared = min(8, (SMEM_CAPACITY // 2 - 2048) // per_stage)
+        if (tile_n == 64 or tile_m <= 128) and shared >= 4:
+            return shared
+        return deepest
 
     @staticmethod
     def split_error(tile_m: int, split_k: int, moe: bool) -> str | None:
@@ -392,7 +415,11 @@ class Sm90Nvfp4W4A16GemmKernel:
                     mC_cta = cute.domain_offset((0, row_start, 0), mC)
                 gC = cute.local_tile(mC_cta, (self.tile_n, self.tile_m), (n_tile, m_tile, act_l))
                 tCgC = thr_epi.partition_C(gC)
-                if cutlass.const_expr(self.split_k == 1):
+                if cutlass.const_expr(self.staged_epilogue):
+                    self._staged_epilogue(
+                        acc, mC_cta, n_tile, m_tile, act_l, rows_left, scale, park, tidx
+                    )
+                elif cutlass.const_expr(self.split_k == 1):
                     for i in cutlass.range_constexpr(cute.size(acc)):
                         if tCcC[i][1] < rows_left:
                             tCgC[i] = (acc[i] * scale).to(self.out_dtype)
@@ -400,6 +427,40 @@ class Sm90Nvfp4W4A16GemmKernel:
                     self._splitk_reduce(
                         acc, tCcC, tCgC, rows_left, scale, park, tidx, split,
                     )  # fmt: skip
+
+    @cute.jit
+    def _staged_epilogue(self, acc, mC, n_tile, m_tile, act_l, rows_left, scale, park, tidx):
+        """acc * scale -> bf16 through shared memory: `stmatrix .trans` turns each warp's 8x8
+        (weight row x token) blocks into token rows of the tile at `park` (the activation ring,
+        idle now; pitch tile_n * 2 + 16 bytes, so the 8 rows of one store and the 8 lanes of one
+        read hit distinct banks), then each warpgroup writes its 64 weight rows of every token as
+        8 x 16-byte stores (whole 128-byte lines), tokens past `rows_left` skipped.
+        Accumulator element i = e + 2 h + 4 j of a thread is (row lane / 4 + 8 h, token
+        8 j + 2 (lane % 4) + e) of its warp's 16 x tile_m block (the wgmma C fragment)."""
+        pitch = self.tile_n * 2 + 16
+        wg = tidx // 128
+        lane = tidx % 32
+        q = lane // 8  # the matrix whose column `lane % 8` this lane addresses
+        row_b = (wg * 64 + ((tidx % 128) // 32) * 16 + (q % 2) * 8) * 2
+        st_base = park + ((q // 2) * 8 + lane % 8) * pitch + row_b
+        cute.arch.barrier()  # every warpgroup is past its last WGMMA read of the ring
+        for j in cutlass.range_constexpr(0, self.tile_m // 8, 2):
+            # matrix mq: row half mq % 2, n8 block j + mq // 2 (first element i)
+            first = tuple(4 * (j + mq // 2) + 2 * (mq % 2) for mq in range(4))
+            words = tuple(du.cvt_bf16x2_f32(acc[i] * scale, acc[i + 1] * scale) for i in first)
+            du.stmatrix_x4_trans(st_base + j * 8 * pitch, words)
+        cute.arch.barrier()
+        chunk = tidx % 8
+        tok0 = (tidx % 128) // 8
+        n0 = n_tile * self.tile_n + wg * 64 + chunk * 8
+        ld_base = park + tok0 * pitch + wg * 128 + chunk * 16
+        g_base = mC.iterator.toint()
+        for it in cutlass.range_constexpr(self.tile_m // 16):
+            token = it * 16 + tok0
+            v = du.ld_shared_v4_b32(ld_base + it * 16 * pitch)
+            if token < rows_left:
+                idx = cute.crd2idx((n0, m_tile * self.tile_m + token, act_l), mC.layout)
+                du.st_global_v4_b32(g_base + cutlass.Int64(idx) * 2, v)
 
     @cute.jit
     def _splitk_reduce(self, acc, tCcC, tCgC, rows_left, scale, park, tidx, split):
@@ -541,10 +602,18 @@ def fake_operands(moe: bool):
 
 
 def compile_kernel(
-    tile_n: int, tile_m: int, split_k: int, moe: bool, *, no_jit_engine: bool = False
+    tile_n: int,
+    tile_m: int,
+    split_k: int,
+    moe: bool,
+    *,
+    no_jit_engine: bool = False,
+    staged_epilogue: bool | None = None,
 ) -> object:
     """cute.compile one variant from fake tensors (TVM-FFI, env stream)."""
-    kernel = Sm90Nvfp4W4A16GemmKernel(tile_n=tile_n, tile_m=tile_m, split_k=split_k, moe=moe)
+    kernel = Sm90Nvfp4W4A16GemmKernel(
+        tile_n=tile_n, tile_m=tile_m, split_k=split_k, moe=moe, staged_epilogue=staged_epilogue
+    )
     args = fake_operands(moe)
     kw = {"no_jit_engine": True} if no_jit_engine else {}
     return cute.compile(kernel, *args, options="--enable-tvm-ffi", **kw)
@@ -552,11 +621,13 @@ def compile_kernel(
 
 def check_targets() -> list[KernelTarget]:
     """One target per variant: dense/grouped (same kernel, L groups), split-K, MoE offsets. Every
-    one must show register-A WGMMA (HGMMA reading an R operand), the prmt decode and TMA; split-K
-    also the cluster barrier and the distributed-shared-memory loads of the reduction."""
+    one must show register-A WGMMA (HGMMA reading an R operand), the prmt decode and TMA; unsplit
+    dense / grouped also the staged epilogue (stmatrix, 16-byte stores); split-K the cluster
+    barrier and the distributed-shared-memory loads of the reduction."""
+    staged = (r"stmatrix\.sync\.aligned\.m8n8\.x4\.trans", r"st\.global\.v4\.b32")
     variants = [
-        ("sm90.w4a16_gemm.grouped.n128m256", 128, 256, 1, False, ()),
-        ("sm90.w4a16_gemm.grouped.n64m16", 64, 16, 1, False, ()),
+        ("sm90.w4a16_gemm.grouped.n128m256", 128, 256, 1, False, staged),
+        ("sm90.w4a16_gemm.grouped.n64m16", 64, 16, 1, False, staged),
         ("sm90.w4a16_gemm.grouped.splitk4", 64, 16, 4, False,
          (r"barrier\.cluster\.arrive", r"mapa\.shared::cluster",
           r"ld\.shared::cluster\.v2\.f32")),
