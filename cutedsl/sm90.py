@@ -294,7 +294,7 @@ def choose_tactic(
     """(tile_n, tile_m, split_k) for m rows of an N x K weight with `groups` groups.
 
     Dense / grouped shapes in the measured table (cutedsl/tuned/sm90_h200_dense.json: the Flash
-    projections, H200 grid sweep of 2026-12-03, every tactic of `gemm_sm90 --sweep grid`) take the
+    projections, H200 grid sweeps of 2026-12-03, every tactic of `gemm_sm90 --sweep grid`) take the
     fastest tactic of the smallest measured M >= m. Otherwise a rule fitted to the same sweep
     (within 2 % of the fastest on its geomean there, 1.49x at worst: wo_a at M = 128):
     - m <= 32 (decode): token tile 16 / 32; a grid of >= num_sms 128-row weight tiles takes
