@@ -30,3 +30,13 @@ def test_a_missing_instruction_fails() -> None:
     bogus = dataclasses.replace(target, ptx_patterns=(*target.ptx_patterns, r"no_such_instruction"))
     r = check_kernels.run_target(module, bogus)
     assert not r.ok and "no_such_instruction" in r.missing
+
+
+def test_a_register_limit_fails() -> None:
+    """The register check bites: a limit below the kernel's real count fails the check."""
+    import dataclasses
+
+    module, target = next((m, t) for m, t in TARGETS if "gemm_sm90" in m)
+    tight = dataclasses.replace(target, max_registers=16)
+    r = check_kernels.run_target(module, tight)
+    assert not r.ok and any("<= 16 registers" in x for x in r.missing), r

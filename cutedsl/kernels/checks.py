@@ -18,6 +18,7 @@ class KernelTarget:
     compile: Callable[[], object]  # cute.compile(..., no_jit_engine=True) from fake tensors
     ptx_patterns: tuple[str, ...]  # regexes that must all occur in the PTX
     sass_patterns: tuple[str, ...] = ()  # regexes that must all occur in the SASS
+    max_registers: int | None = None  # registers per thread the cubin may use (occupancy rules)
 
 
 # Modules that define check_targets(); a module missing here is a module CI does not compile.

@@ -76,6 +76,22 @@ def _sass(cubins: list[Path]) -> str:
     return "\n".join(text)
 
 
+def _registers(cubins: list[Path]) -> int:
+    """The most registers per thread of any kernel in the cubins (cuobjdump resource usage)."""
+    tool = _cuobjdump()
+    if tool is None:
+        raise RuntimeError("cuobjdump not found (install triton or the CUDA toolkit)")
+    regs = []
+    for c in cubins:
+        r = subprocess.run(
+            [tool, "--dump-resource-usage", str(c)], capture_output=True, text=True, check=True
+        )
+        regs += [int(x) for x in re.findall(r"REG:(\d+)", r.stdout)]
+    if not regs:
+        raise RuntimeError(f"no REG: count in the resource usage of {[c.name for c in cubins]}")
+    return max(regs)
+
+
 def run_target(module: str, target: KernelTarget, timeout_s: float = 600.0) -> Result:
     with tempfile.TemporaryDirectory(prefix="cutedsl-check-") as dump:
         env = dict(
@@ -111,6 +127,12 @@ def run_target(module: str, target: KernelTarget, timeout_s: float = 600.0) -> R
                 return Result(target.name, target.arch, False, secs, error="no cubin was dumped")
             sass = _sass(cubins)
             missing += [f"SASS {p}" for p in target.sass_patterns if not re.search(p, sass)]
+        if target.max_registers is not None:
+            if not cubins:
+                return Result(target.name, target.arch, False, secs, error="no cubin was dumped")
+            regs = _registers(cubins)
+            if regs > target.max_registers:
+                missing.append(f"<= {target.max_registers} registers per thread (uses {regs})")
         return Result(target.name, target.arch, not missing, secs, missing=missing)
 
 
