@@ -379,13 +379,26 @@ def _launch(
         raise ValueError(f"tactic {tactic}: tile_m {tile_m} not in {TILE_M_VERIFIED}")
     if moe and split_k != 1:
         raise NotImplementedError("split-K with MoE offsets is not wired on the host")
-    fn = _compiled(tile_n, tile_m, split_k, moe)
-    dev = a3.device
-    a_v = a3.permute(1, 2, 0)  # (M, K, La)
-    w_v = wp.w.permute(1, 2, 0)  # (N, K/2, L)
-    sf_v = wp.sf.permute(2, 1, 0)  # (N, K/64, L) int32
-    offs_t = offs if moe else _dummy(dev, (1,), torch.int32)
-    fn(a_v, w_v, sf_v, wp.gs, out3.permute(2, 1, 0), offs_t)
+    _compiled(tile_n, tile_m, split_k, moe)(*kernel_operands(a3, wp, out3, offs))
+
+
+def kernel_operands(
+    a3: torch.Tensor,  # (La, M, K) bf16 contiguous
+    wp: Sm90Nvfp4Weight,
+    out3: torch.Tensor,  # (La, M, N) bf16 contiguous
+    offs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The operands of a compiled kernel (`cutedsl.kernels.gemm_sm90.compile_kernel`) as views:
+    a (M, K, La), w (N, K/2, L), sf (N, K/64, L), gs, out (N, M, La), offs (a dummy unless MoE)."""
+    offs_t = offs if offs is not None else _dummy(a3.device, (1,), torch.int32)
+    return (
+        a3.permute(1, 2, 0),
+        wp.w.permute(1, 2, 0),
+        wp.sf.permute(2, 1, 0),
+        wp.gs,
+        out3.permute(2, 1, 0),
+        offs_t,
+    )
 
 
 def sm90_nvfp4_gemm_prepared(

@@ -1,7 +1,7 @@
 """The sm90 backend glue of each runner (weight prep, group/expert layouts, routing, clamp,
 combine, workspaces) on the CPU, with the kernel launch replaced by a torch statement of its
-contract on the exact buffers the launchers pass, against the W4A16 torch references. The kernels themselves
-run in tests/test_gemm_sm90.py and tests/test_runners_gpu.py on an SM90 GPU.
+contract on the exact buffers the launchers pass, against the W4A16 torch references. The kernels
+themselves run in tests/test_gemm_sm90.py and tests/test_runners_gpu.py on an SM90 GPU.
 
 Every impl is warmed up first; its workspace buffers are then poisoned with 0xFF bytes (NaN for
 bf16/fp32), and each call runs with `Workspace.reserve` forbidden (a hot-path reservation would

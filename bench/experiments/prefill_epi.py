@@ -71,11 +71,9 @@ def main() -> int:
         copies = _copies(weight_bytes(g, n, k))
         wps = [random_prepared_weight(g, n, k) for _ in range(copies)]
         wbf = [S.dequantize_prepared(wp).to(torch.bfloat16) for wp in wps[:2]]
-        offs = torch.zeros(1, dtype=torch.int32, device=dev)
         for m in MS:
             for mm in (m, m - 3):  # the tail case only checks values
                 a = torch.randn(g, mm, k, device=dev, dtype=torch.bfloat16)
-                a_v = a.permute(1, 2, 0)
                 tac = S.launch_tactic(mm, n, k, g, False)
                 ref = None
                 flops = 2.0 * g * mm * n * k
@@ -86,13 +84,7 @@ def main() -> int:
                         print(f"{name} M={mm} {var}: {e}", flush=True)
                         continue
                     y = torch.full((g, mm, n), float("nan"), device=dev, dtype=torch.bfloat16)
-                    y_v = y.permute(2, 1, 0)
-                    fns = [
-                        functools.partial(
-                            fn, a_v, wp.w.permute(1, 2, 0), wp.sf.permute(2, 1, 0), wp.gs, y_v, offs
-                        )
-                        for wp in wps
-                    ]
+                    fns = [functools.partial(fn, *S.kernel_operands(a, wp, y)) for wp in wps]
                     fns[0]()
                     torch.cuda.synchronize()
                     first = y.clone()

@@ -15,6 +15,7 @@ import sys
 import torch
 
 from bench.experiments.prefill_epi import compiled
+from cutedsl import sm90 as S
 from cutedsl.bench.gemm_sm90 import (
     _copies,
     _graph_time_us,
@@ -49,7 +50,6 @@ def main() -> int:
         for name in names:
             g, n, k = SHAPES[name]
             wps = [random_prepared_weight(g, n, k) for _ in range(_copies(weight_bytes(g, n, k)))]
-            offs = torch.zeros(1, dtype=torch.int32, device="cuda")
             for m in ms:
                 a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
                 flops = 2.0 * g * m * n * k
@@ -60,11 +60,7 @@ def main() -> int:
                     except ValueError:
                         continue
                     y = torch.full((g, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                    fns = [
-                        functools.partial(fn, a.permute(1, 2, 0), wp.w.permute(1, 2, 0),
-                                          wp.sf.permute(2, 1, 0), wp.gs, y.permute(2, 1, 0), offs)
-                        for wp in wps
-                    ]  # fmt: skip
+                    fns = [functools.partial(fn, *S.kernel_operands(a, wp, y)) for wp in wps]
                     fns[0]()
                     torch.cuda.synchronize()
                     same = True if ref is None else bool(torch.equal(ref, y))

@@ -92,14 +92,21 @@ class Sm90Nvfp4W4A16GemmKernel:
         if split_k > 1 and self.stages * tile_m * BK * 2 < 4 * tile_n * tile_m:
             raise ValueError(f"split-K needs >= {tile_n // 32} stages, got {self.stages}")
         # The bf16 tile goes out through shared memory (stmatrix, then 16-byte stores of whole
-        # token rows) for dense / grouped unsplit tiles; MoE CTAs loop over m tiles and reload
-        # the ring after each epilogue, so they store from registers.
-        staged_ok = not moe and split_k == 1 and tile_m % 16 == 0
+        # token rows) for dense / grouped unsplit tiles whose token rows fit the ring; MoE CTAs
+        # loop over m tiles and reload the ring after each epilogue, so they store from registers.
+        self.pitch = tile_n * 2 + 16  # bytes per staged token row (conflict-free, see below)
+        staged_ok = (
+            not moe
+            and split_k == 1
+            and tile_m % 16 == 0
+            and tile_m * self.pitch <= self.stages * tile_m * BK * 2
+        )
         self.staged_epilogue = staged_ok if staged_epilogue is None else staged_epilogue
         if self.staged_epilogue and not staged_ok:
-            raise ValueError("the staged epilogue needs split_k == 1, tile_m % 16 == 0, no MoE")
-        if self.staged_epilogue and self.stages * BK * 2 < tile_n * 2 + 16:
-            raise ValueError(f"the staged epilogue needs >= {tile_n // 64 + 1} stages")
+            raise ValueError(
+                "the staged epilogue needs split_k == 1, tile_m % 16 == 0, no MoE and room in "
+                f"the ring for {tile_m} token rows of {self.pitch} B"
+            )
         self.buffer_align_bytes = 1024
 
     @staticmethod
@@ -437,7 +444,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         8 x 16-byte stores (whole 128-byte lines), tokens past `rows_left` skipped.
         Accumulator element i = e + 2 h + 4 j of a thread is (row lane / 4 + 8 h, token
         8 j + 2 (lane % 4) + e) of its warp's 16 x tile_m block (the wgmma C fragment)."""
-        pitch = self.tile_n * 2 + 16
+        pitch = self.pitch
         wg = tidx // 128
         lane = tidx % 32
         q = lane // 8  # the matrix whose column `lane % 8` this lane addresses

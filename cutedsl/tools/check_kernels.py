@@ -65,28 +65,22 @@ def _cuobjdump() -> str | None:
         return None
 
 
-def _sass(cubins: list[Path]) -> str:
+def _cuobjdump_out(cubins: list[Path], flag: str) -> str:
+    """`cuobjdump FLAG` of every cubin, concatenated."""
     tool = _cuobjdump()
     if tool is None:
         raise RuntimeError("cuobjdump not found (install triton or the CUDA toolkit)")
-    text = []
-    for c in cubins:
-        r = subprocess.run([tool, "-sass", str(c)], capture_output=True, text=True, check=True)
-        text.append(r.stdout)
-    return "\n".join(text)
+    return "\n".join(
+        subprocess.run([tool, flag, str(c)], capture_output=True, text=True, check=True).stdout
+        for c in cubins
+    )
 
 
 def _registers(cubins: list[Path]) -> int:
     """The most registers per thread of any kernel in the cubins (cuobjdump resource usage)."""
-    tool = _cuobjdump()
-    if tool is None:
-        raise RuntimeError("cuobjdump not found (install triton or the CUDA toolkit)")
-    regs = []
-    for c in cubins:
-        r = subprocess.run(
-            [tool, "--dump-resource-usage", str(c)], capture_output=True, text=True, check=True
-        )
-        regs += [int(x) for x in re.findall(r"REG:(\d+)", r.stdout)]
+    regs = [
+        int(x) for x in re.findall(r"REG:(\d+)", _cuobjdump_out(cubins, "--dump-resource-usage"))
+    ]
     if not regs:
         raise RuntimeError(f"no REG: count in the resource usage of {[c.name for c in cubins]}")
     return max(regs)
@@ -125,7 +119,7 @@ def run_target(module: str, target: KernelTarget, timeout_s: float = 600.0) -> R
         if target.sass_patterns:
             if not cubins:
                 return Result(target.name, target.arch, False, secs, error="no cubin was dumped")
-            sass = _sass(cubins)
+            sass = _cuobjdump_out(cubins, "-sass")
             missing += [f"SASS {p}" for p in target.sass_patterns if not re.search(p, sass)]
         if target.max_registers is not None:
             if not cubins:
