@@ -62,14 +62,19 @@ def test_split_k_limits_are_refused(tile_m: int, split_k: int, moe: bool) -> Non
 
 @pytest.mark.parametrize(
     ("tile_m", "split_k", "moe"),
-    [(64, 2, False), (64, 1, True), (24, 1, False)],
-    ids=["split-k", "moe", "tile-not-16"],
+    [(16, 2, False), (24, 1, True), (24, 1, False)],
+    ids=["split-slice-not-16", "moe-tile-not-16", "tile-not-16"],
 )
 def test_staged_epilogue_limits(tile_m: int, split_k: int, moe: bool) -> None:
-    """The staged epilogue is the default for unsplit dense / grouped tiles of a multiple of 16
-    tokens, and is refused elsewhere (split-K reduces through DSMEM, MoE CTAs reload the ring)."""
+    """The staged epilogue works for tiles whose (split-K: per-CTA) token slice is a multiple of
+    16 and fits the ring, and is refused elsewhere; it is the default there up to 2 splits."""
     K = gemm_sm90.Sm90Nvfp4W4A16GemmKernel
-    assert K(tile_n=128, tile_m=256).staged_epilogue and K(tile_n=64, tile_m=16).staged_epilogue
+    for tn, tm, sk in ((128, 256, 1), (64, 16, 1), (128, 256, 2), (128, 32, 2)):
+        assert K(tile_n=tn, tile_m=tm, split_k=sk).staged_epilogue, (tn, tm, sk)
+    for tn, tm, sk in ((128, 128, 8), (64, 256, 4)):  # possible, not the default
+        assert not K(tile_n=tn, tile_m=tm, split_k=sk).staged_epilogue, (tn, tm, sk)
+        assert K(tile_n=tn, tile_m=tm, split_k=sk, staged_epilogue=True).staged_epilogue
+    assert K(tile_n=128, tile_m=16, moe=True).staged_epilogue
     assert not K(tile_n=64, tile_m=tile_m, split_k=split_k, moe=moe).staged_epilogue
     with pytest.raises(ValueError, match="staged epilogue"):
         K(tile_n=64, tile_m=tile_m, split_k=split_k, moe=moe, staged_epilogue=True)
@@ -350,24 +355,37 @@ def test_dense_every_tactic(tactic) -> None:
     _assert_close(out, _ref(a, packed[0], sf[0], gs[0]), f"tactic {tactic}")
 
 
-STAGED = [(128, 256), (64, 16), (128, 128), (64, 128), (64, 256), (128, 32)]
+STAGED = [
+    (128, 256, 1),
+    (64, 16, 1),
+    (128, 128, 1),
+    (64, 128, 1),
+    (64, 256, 1),
+    (128, 32, 1),
+    (128, 256, 2),  # split-K: each CTA of the cluster stages its token slice
+    (128, 128, 8),
+    (128, 32, 2),
+    (64, 256, 8),
+    (128, 64, 4),
+]
 
 
 @pytest.mark.sm90
-@pytest.mark.parametrize("tile", STAGED, ids=[f"n{t[0]}m{t[1]}" for t in STAGED])
+@pytest.mark.parametrize("tile", STAGED, ids=[f"n{t[0]}m{t[1]}k{t[2]}" for t in STAGED])
 def test_staged_epilogue_matches_register_stores(tile) -> None:
     """The staged epilogue (stmatrix + 16-byte stores) writes exactly what the register epilogue
-    writes, bit for bit, on grouped operands with a token tail in every group."""
+    writes, bit for bit, on grouped operands with a token tail in every group; with split-K the
+    sums are the same rank-ordered ones."""
     from cutedsl.kernels.gemm_sm90 import compile_kernel
 
-    tn, tm = tile
+    tn, tm, sk = tile
     g, n, k, m = 2, 512, 1024, 3 * tm // 2 + 5
     packed, sf, gs = _rand_weight(g, n, k)
     wp = S.prepare_nvfp4_weight(packed, sf, gs)
     a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
     outs = []
     for staged in (True, False):
-        fn = compile_kernel(tn, tm, 1, False, staged_epilogue=staged)
+        fn = compile_kernel(tn, tm, sk, False, staged_epilogue=staged)
         out = _poison((g, m, n))
         fn(*S.kernel_operands(a, wp, out))
         outs.append(out)
@@ -483,6 +501,25 @@ def test_moe_every_tile(tactic) -> None:
     out = _poison(ref.shape)
     S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out, tactic=tactic)
     _assert_close(out, ref, f"moe tactic {tactic}")
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("tactic", MOE_TACTICS, ids=[f"n{t[0]}m{t[1]}" for t in MOE_TACTICS])
+def test_moe_staged_epilogue_matches_register_stores(tactic) -> None:
+    """The MoE's staged epilogue (the CTA reloads the ring for its next m tile right after it)
+    writes exactly what the register epilogue writes, on experts spanning several m tiles."""
+    from cutedsl.kernels.gemm_sm90 import compile_kernel
+
+    tn, tm, _ = tactic
+    wp, offs, a, ref = _moe_case(6, 256, 512, [0, 3 * tm + 5, 1, 0, 300, 17])
+    outs = []
+    for staged in (True, False):
+        fn = compile_kernel(tn, tm, 1, True, staged_epilogue=staged)
+        out = _poison(ref.shape)
+        fn(*S.kernel_operands(a.unsqueeze(0), wp, out.unsqueeze(0), offs))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), f"moe tactic {tactic}: staged and register differ"
+    _assert_close(outs[0], ref, f"moe staged tactic {tactic}")
 
 
 @pytest.mark.sm90

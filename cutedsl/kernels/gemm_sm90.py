@@ -34,7 +34,8 @@ Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n thre
   - every warpgroup issues 4 RS-WGMMA (64 x tile_m x 16) per K tile and keeps one group in flight.
   - epilogue: acc * gs -> bf16, predicated on the token count. Unsplit dense / grouped tiles
     stage the bf16 tile in the idle ring (`_staged_epilogue`: stmatrix, then 16-byte stores of
-    whole token rows); MoE tiles store from registers; split-K: see `_splitk_reduce`.
+    whole token rows; split-K 2: each CTA its token slice, see `_splitk_reduce`). MoE tiles do
+    too; split-K 4 / 8 store from registers (measured faster there).
   - the ring is as deep as lets two CTAs share an SM where registers allow (`_compute_stages`).
 
 Compile-time: tile_n (64|128), tile_m (16..256, multiple of 8), split_k (1..8, dividing tile_m/2;
@@ -91,21 +92,27 @@ class Sm90Nvfp4W4A16GemmKernel:
         # Split-K parks the fp32 tile (4 * tile_n * tile_m bytes) in the activation ring.
         if split_k > 1 and self.stages * tile_m * BK * 2 < 4 * tile_n * tile_m:
             raise ValueError(f"split-K needs >= {tile_n // 32} stages, got {self.stages}")
-        # The bf16 tile goes out through shared memory (stmatrix, then 16-byte stores of whole
-        # token rows) for dense / grouped unsplit tiles whose token rows fit the ring; MoE CTAs
-        # loop over m tiles and reload the ring after each epilogue, so they store from registers.
+        # The bf16 tile can go out through shared memory (stmatrix, then 16-byte stores of whole
+        # token rows) for tiles of a multiple of 16 tokens, or split-K token slices of a
+        # multiple of 16 whose staging fits the ring beside the parked fp32 tile. (MoE CTAs loop
+        # over m tiles: a barrier keeps the next tile's loads out of the ring until it is read.)
         self.pitch = tile_n * 2 + 16  # bytes per staged token row (conflict-free, see below)
+        self.stage_off = 0 if split_k == 1 else 4 * tile_n * tile_m  # past the parked tile
         staged_ok = (
-            not moe
-            and split_k == 1
-            and tile_m % 16 == 0
-            and tile_m * self.pitch <= self.stages * tile_m * BK * 2
+            tile_m % (16 * split_k) == 0
+            and self.stage_off + tile_m // split_k * self.pitch <= self.stages * tile_m * BK * 2
         )
-        self.staged_epilogue = staged_ok if staged_epilogue is None else staged_epilogue
+        # By default only where it measured faster than the register stores (H200, 2026-12-03,
+        # bench/experiments/staged_split_moe.py): unsplit, MoE, and split-K 2 (1.03-1.07x). With
+        # 4 or 8 splits each CTA's slice is small and the extra CTA barrier and shared-memory pass
+        # cost more than they save (0.85-0.98x).
+        default = staged_ok and split_k <= 2
+        self.staged_epilogue = default if staged_epilogue is None else staged_epilogue
         if self.staged_epilogue and not staged_ok:
             raise ValueError(
-                "the staged epilogue needs split_k == 1, tile_m % 16 == 0, no MoE and room in "
-                f"the ring for {tile_m} token rows of {self.pitch} B"
+                "the staged epilogue needs tile_m % (16 * split_k) == 0 and room in the "
+                f"ring for {tile_m // split_k} token rows of {self.pitch} B"
+                + (" beside the parked fp32 tile" if split_k > 1 else "")
             )
         self.buffer_align_bytes = 1024
 
@@ -422,61 +429,89 @@ class Sm90Nvfp4W4A16GemmKernel:
                     mC_cta = cute.domain_offset((0, row_start, 0), mC)
                 gC = cute.local_tile(mC_cta, (self.tile_n, self.tile_m), (n_tile, m_tile, act_l))
                 tCgC = thr_epi.partition_C(gC)
-                if cutlass.const_expr(self.staged_epilogue):
+                if cutlass.const_expr(self.split_k > 1):
+                    self._splitk_reduce(
+                        acc, tCcC, tCgC, rows_left, scale, park, tidx, split,
+                        mC_cta, n_tile, m_tile, act_l,
+                    )  # fmt: skip
+                elif cutlass.const_expr(self.staged_epilogue):
                     self._staged_epilogue(
                         acc, mC_cta, n_tile, m_tile, act_l, rows_left, scale, park, tidx
                     )
-                elif cutlass.const_expr(self.split_k == 1):
+                else:
                     for i in cutlass.range_constexpr(cute.size(acc)):
                         if tCcC[i][1] < rows_left:
                             tCgC[i] = (acc[i] * scale).to(self.out_dtype)
-                else:
-                    self._splitk_reduce(
-                        acc, tCcC, tCgC, rows_left, scale, park, tidx, split,
-                    )  # fmt: skip
+
+    def _stmatrix_addr(self, base, tidx):
+        """This lane's `stmatrix .x4 .trans` address for n8 blocks (0, 1) of a staged token-row
+        area at `base`: lane 8q + r addresses column (token) r of matrix q = (row half q % 2,
+        n8 block q // 2) of its warp's 16 weight rows."""
+        lane = tidx % 32
+        q = lane // 8
+        row_b = ((tidx // 128) * 64 + ((tidx % 128) // 32) * 16 + (q % 2) * 8) * 2
+        return base + ((q // 2) * 8 + lane % 8) * self.pitch + row_b
+
+    @staticmethod
+    def _bf16_words(vals, scale):
+        """8 fp32 accumulators of n8 blocks (j, j + 1) (element order e + 2 h + 4 jj) -> the 4
+        bf16x2 words of `stmatrix .x4` matrices (h = 0, jj = 0), (1, 0), (0, 1), (1, 1)."""
+        first = tuple(4 * (mq // 2) + 2 * (mq % 2) for mq in range(4))
+        return tuple(du.cvt_bf16x2_f32(vals[i] * scale, vals[i + 1] * scale) for i in first)
+
+    @cute.jit
+    def _store_token_rows(self, base, n_tok, tok_first, mC, n_tile, m_tile, act_l, rows_left, tidx):
+        """Write staged token rows [0, n_tok) at `base` (pitch self.pitch) to tokens
+        m_tile * tile_m + tok_first + t of `mC`: each warpgroup its 64 weight rows of every token
+        as 8 x 16-byte stores (whole 128-byte lines); tokens at or past `rows_left` (counted
+        from the tile's first token) are skipped."""
+        wg = tidx // 128
+        chunk = tidx % 8
+        tok0 = (tidx % 128) // 8
+        n0 = n_tile * self.tile_n + wg * 64 + chunk * 8
+        ld_base = base + tok0 * self.pitch + wg * 128 + chunk * 16
+        g_base = mC.iterator.toint()
+        for it in cutlass.range_constexpr(n_tok // 16):
+            token = tok_first + it * 16 + tok0
+            v = du.ld_shared_v4_b32(ld_base + it * 16 * self.pitch)
+            if token < rows_left:
+                idx = cute.crd2idx((n0, m_tile * self.tile_m + token, act_l), mC.layout)
+                du.st_global_v4_b32(g_base + cutlass.Int64(idx) * 2, v)
 
     @cute.jit
     def _staged_epilogue(self, acc, mC, n_tile, m_tile, act_l, rows_left, scale, park, tidx):
         """acc * scale -> bf16 through shared memory: `stmatrix .trans` turns each warp's 8x8
         (weight row x token) blocks into token rows of the tile at `park` (the activation ring,
         idle now; pitch tile_n * 2 + 16 bytes, so the 8 rows of one store and the 8 lanes of one
-        read hit distinct banks), then each warpgroup writes its 64 weight rows of every token as
-        8 x 16-byte stores (whole 128-byte lines), tokens past `rows_left` skipped.
+        read hit distinct banks), then `_store_token_rows` writes them out.
         Accumulator element i = e + 2 h + 4 j of a thread is (row lane / 4 + 8 h, token
         8 j + 2 (lane % 4) + e) of its warp's 16 x tile_m block (the wgmma C fragment)."""
-        pitch = self.pitch
-        wg = tidx // 128
-        lane = tidx % 32
-        q = lane // 8  # the matrix whose column `lane % 8` this lane addresses
-        row_b = (wg * 64 + ((tidx % 128) // 32) * 16 + (q % 2) * 8) * 2
-        st_base = park + ((q // 2) * 8 + lane % 8) * pitch + row_b
+        st_base = self._stmatrix_addr(park, tidx)
         cute.arch.barrier()  # every warpgroup is past its last WGMMA read of the ring
         for j in cutlass.range_constexpr(0, self.tile_m // 8, 2):
-            # matrix mq: row half mq % 2, n8 block j + mq // 2 (first element i)
-            first = tuple(4 * (j + mq // 2) + 2 * (mq % 2) for mq in range(4))
-            words = tuple(du.cvt_bf16x2_f32(acc[i] * scale, acc[i + 1] * scale) for i in first)
-            du.stmatrix_x4_trans(st_base + j * 8 * pitch, words)
+            vals = tuple(acc[4 * j + v] for v in range(8))
+            du.stmatrix_x4_trans(st_base + j * 8 * self.pitch, self._bf16_words(vals, scale))
         cute.arch.barrier()
-        chunk = tidx % 8
-        tok0 = (tidx % 128) // 8
-        n0 = n_tile * self.tile_n + wg * 64 + chunk * 8
-        ld_base = park + tok0 * pitch + wg * 128 + chunk * 16
-        g_base = mC.iterator.toint()
-        for it in cutlass.range_constexpr(self.tile_m // 16):
-            token = it * 16 + tok0
-            v = du.ld_shared_v4_b32(ld_base + it * 16 * pitch)
-            if token < rows_left:
-                idx = cute.crd2idx((n0, m_tile * self.tile_m + token, act_l), mC.layout)
-                du.st_global_v4_b32(g_base + cutlass.Int64(idx) * 2, v)
+        self._store_token_rows(park, self.tile_m, 0, mC, n_tile, m_tile, act_l, rows_left, tidx)
+        if cutlass.const_expr(self.moe):
+            # The ring is read before warp 0 loads the next m tile into it, and the generic-proxy
+            # writes (stmatrix) are ordered before the async-proxy (TMA) ones.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier()
 
     @cute.jit
-    def _splitk_reduce(self, acc, tCcC, tCgC, rows_left, scale, park, tidx, split):
+    def _splitk_reduce(
+        self, acc, tCcC, tCgC, rows_left, scale, park, tidx, split, mC, n_tile, m_tile, act_l
+    ):
         """Split-K through distributed shared memory: every CTA of the cluster parks its fp32
         accumulators at `park` (the activation ring, idle now), element i of thread t at word
         i * threads + t in vectors of `vw`; after a cluster barrier CTA `split` owns fragment
         elements [split * E/S, (split+1) * E/S) of every thread, sums them over the S CTAs in
-        rank (= split) order (bit-identical on every run) and writes bf16. A second barrier keeps
-        each CTA's shared memory alive until its peers have read it."""
+        rank (= split) order (bit-identical on every run) and writes bf16. Those elements are
+        tokens [split * tile_m / S, (split+1) * tile_m / S) of the tile; with the staged epilogue
+        they go out through `stmatrix` into this CTA's ring past the parked tile and
+        `_store_token_rows`, else from registers. A second cluster barrier keeps each CTA's
+        shared memory alive until its peers have read it."""
         S = self.split_k
         E = cute.size(acc)
         per = E // S  # elements each CTA reduces (per thread)
@@ -488,18 +523,46 @@ class Sm90Nvfp4W4A16GemmKernel:
         cute.arch.cluster_arrive()  # release: the parked tile is visible cluster-wide
         cute.arch.cluster_wait()
         peers = [du.mapa_shared(park, s) for s in range(S)]
-        for c in cutlass.range_constexpr(E // vw):
-            if c // (per // vw) == split:
-                off = ((c * self.threads + tidx) * vw) * 4
-                tot = list(du.ld_shared_cluster_f32xn(peers[0] + off, vw))
-                for s in cutlass.range_constexpr(1, S):
-                    part = du.ld_shared_cluster_f32xn(peers[s] + off, vw)
-                    tot = [tot[v] + part[v] for v in range(vw)]
-                for v in cutlass.range_constexpr(vw):
-                    if tCcC[c * vw + v][1] < rows_left:
-                        tCgC[c * vw + v] = (tot[v] * scale).to(self.out_dtype)
+        if cutlass.const_expr(self.staged_epilogue):
+            n_tok = self.tile_m // S  # this CTA's token slice; per = n_tok / 2 elements, vw = 4
+            stage = park + self.stage_off
+            st_base = self._stmatrix_addr(stage, tidx)
+            # The slice's chunks (vw = 4: chunk c = n8 block c) start at chunk split * per / 4;
+            # every partial, this CTA's too, is read through DSMEM, so `split` stays a runtime
+            # offset (no per-rank copy of this code).
+            c0 = split * (per // 4)
+            for jp in cutlass.range_constexpr(n_tok // 16):
+                vals = self._sum_peers(peers, c0 + 2 * jp, tidx) + self._sum_peers(
+                    peers, c0 + 2 * jp + 1, tidx
+                )
+                du.stmatrix_x4_trans(st_base + jp * 16 * self.pitch, self._bf16_words(vals, scale))
+            cute.arch.barrier()
+            self._store_token_rows(
+                stage, n_tok, split * n_tok, mC, n_tile, m_tile, act_l, rows_left, tidx
+            )
+        else:
+            for c in cutlass.range_constexpr(E // vw):
+                if c // (per // vw) == split:
+                    off = ((c * self.threads + tidx) * vw) * 4
+                    tot = list(du.ld_shared_cluster_f32xn(peers[0] + off, vw))
+                    for s in cutlass.range_constexpr(1, S):
+                        part = du.ld_shared_cluster_f32xn(peers[s] + off, vw)
+                        tot = [tot[v] + part[v] for v in range(vw)]
+                    for v in cutlass.range_constexpr(vw):
+                        if tCcC[c * vw + v][1] < rows_left:
+                            tCgC[c * vw + v] = (tot[v] * scale).to(self.out_dtype)
         cute.arch.cluster_arrive_relaxed()  # the peers' reads are done before any CTA exits
         cute.arch.cluster_wait()
+
+    def _sum_peers(self, peers, c, tidx):
+        """Chunk c (4 fp32 elements, parked at word (c * threads + tidx) * 4) summed over the
+        cluster's partials in rank order."""
+        off = ((c * self.threads + tidx) * 4) * 4
+        tot = list(du.ld_shared_cluster_f32xn(peers[0] + off, 4))
+        for r in range(1, len(peers)):
+            part = du.ld_shared_cluster_f32xn(peers[r] + off, 4)
+            tot = [tot[v] + part[v] for v in range(4)]
+        return tot
 
     @cute.jit
     def _dequant(self, frag, sQ_addr, sS_addr, stage, q_off, s_off):
@@ -639,7 +702,9 @@ def check_targets() -> list[KernelTarget]:
         ("sm90.w4a16_gemm.grouped.splitk4", 64, 16, 4, False,
          (r"barrier\.cluster\.arrive", r"mapa\.shared::cluster",
           r"ld\.shared::cluster\.v2\.f32")),
-        ("sm90.w4a16_gemm.moe_offs.n128m64", 128, 64, 1, True, ()),
+        ("sm90.w4a16_gemm.grouped.n128m256splitk2", 128, 256, 2, False,
+         (r"barrier\.cluster\.arrive", r"ld\.shared::cluster\.v4\.f32", *staged)),
+        ("sm90.w4a16_gemm.moe_offs.n128m64", 128, 64, 1, True, staged),
     ]  # fmt: skip
     return [
         KernelTarget(
