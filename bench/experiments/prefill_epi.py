@@ -2,13 +2,14 @@
 epilogue and in the per-CTA pipeline fill? Variants, each on the Flash dense / grouped shapes at
 M = 256 ... 16384, with cuBLAS BF16 timed in the same run:
   - "table":   the tuned tactic, bf16 stored from registers (2-byte stores; the kernel as of 45564b1);
-  - "staged":  the same tactic, bf16 tile through shared memory (stmatrix .trans, 16-byte stores);
+  - "staged":  the same tactic, bf16 tile through shared memory (stmatrix .trans, 16-byte stores;
+               split-K: each CTA of the cluster its token slice);
   - "2cta-*":  tactics whose ring is cut so that two CTAs share an SM (128x128 with 5 stages,
                64x256 with 3), so one CTA's epilogue / fill overlaps the other's mainloop.
 Every variant's output must be bit-identical to "table" (same accumulation order) and fully
 written (outputs start as NaN; M not a multiple of the token tile is included).
 
-    python3 bench/experiments/prefill_epi.py [OUT.json]
+    python3 bench/experiments/prefill_epi.py [OUT.json [SHAPE,...]]
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ MS = (512, 1024, 4096, 16384)
 @functools.cache
 def compiled(tile_n: int, tile_m: int, split_k: int, stages: int | None, staged: bool):
     kern = G.Sm90Nvfp4W4A16GemmKernel(
-        tile_n=tile_n, tile_m=tile_m, split_k=split_k, stages=stages, staged_epilogue=staged
+        tile_n=tile_n,
+        tile_m=tile_m,
+        split_k=split_k,
+        stages=stages,
+        staged_epilogue=staged,
     )
     return cute.compile(kern, *G.fake_operands(False), options="--enable-tvm-ffi")
 
@@ -52,9 +57,9 @@ def compiled(tile_n: int, tile_m: int, split_k: int, stages: int | None, staged:
 def variants(tac: tuple[int, int, int]) -> dict[str, tuple]:
     tn, tm, sk = tac
     v = {"table": (tn, tm, sk, None, False)}
-    if sk == 1 and tm % 16 == 0:
+    if tm % (16 * sk) == 0:
         v["staged"] = (tn, tm, sk, None, True)
-    else:  # split tactic: compare with the unsplit one, both epilogues
+    if sk > 1:  # split tactic: compare with the unsplit one, both epilogues
         v["unsplit"] = (tn, tm, 1, None, False)
         v["unsplit-staged"] = (tn, tm, 1, None, True)
     v["2cta-128x128"] = (128, 128, 1, 5, True)
@@ -67,7 +72,10 @@ def variants(tac: tuple[int, int, int]) -> dict[str, tuple]:
 def main() -> int:
     rows = []
     dev = "cuda"
+    keep = sys.argv[2].split(",") if len(sys.argv) > 2 else [s[0] for s in SHAPES]
     for name, g, n, k in SHAPES:
+        if name not in keep:
+            continue
         copies = _copies(weight_bytes(g, n, k))
         wps = [random_prepared_weight(g, n, k) for _ in range(copies)]
         wbf = [S.dequantize_prepared(wp).to(torch.bfloat16) for wp in wps[:2]]
