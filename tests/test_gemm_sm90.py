@@ -150,7 +150,7 @@ def test_choose_tactic_takes_the_measured_table() -> None:
             prev = m_max
     assert S.choose_tactic(4096, 1536, 4096, 1) == (128, 256, 2)  # measured
     assert S.choose_tactic(4097, 1536, 4096, 1) == (128, 256, 1)  # beyond the table: the rule
-    assert S.choose_tactic(128, 1024, 4096, 8) == (128, 128, 2)  # measured (the rule: 128x64x1)
+    assert S.choose_tactic(128, 1024, 4096, 8) == (64, 128, 2)  # measured (the rule: 128x64x1)
     assert S.choose_tactic(128, 1024, 4096, 8, num_sms=114) == (128, 64, 1)  # another GPU: rule
 
 
