@@ -6,9 +6,9 @@ it loses with 4 or 8 splits, so the kernel keeps register stores there, as in se
 script writes `sweep.json`: the session-6 sweep, with the times of tactics that session 6 ran
 staged but the kernel now runs from registers (split_k >= 4) taken from session 5's sweep (same
 code for those tactics), and dropped where session 5 did not time them. Every other time is
-session 6's, on the final code.
+session 6's, from `wip/combined` with PDL off (the final code for those tactics).
 
-    python3 bench/results/h200_2026-12-03_session6/merge_sweeps.py
+    PYTHONPATH=. python3 bench/results/h200_2026-12-03_session6/merge_sweeps.py
     python3 -m cutedsl.bench.tune_sm90 bench/results/h200_2026-12-03_session4/sweep.json \
         bench/results/h200_2026-12-03_session5/sweep.json \
         bench/results/h200_2026-12-03_session6/sweep.json -o cutedsl/tuned/sm90_h200_dense.json
