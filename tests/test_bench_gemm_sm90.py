@@ -159,6 +159,7 @@ def _synthetic_rows():
                 marlin_us=None,
                 deepgemm_us=5.0 * m,
                 deepgemm_quant_us=1.0,
+                copy_us=4.0 if m <= 32 else None,
                 tactic=[64, 16, 4],
             )
             if s.kind == "moe":
@@ -183,6 +184,8 @@ def test_finalize_row_columns():
     assert (r["x_cublas"], r["x_deepgemm"]) == (0.8, 0.5)  # t_X / t_ours
     assert r["deepgemm_total_us"] == 6.0 and r["x_deepgemm_total"] == 0.6
     assert r["x_marlin"] is None
+    assert r["pct_copy_time"] == 40.0  # copy_us 4.0 / ours 10.0
+    assert rows[1]["pct_copy_time"] is None  # no copy time (M > 32 in the bench)
     g = rows[2]  # pro wo_a, G=16: flops and bytes count all groups
     assert g["tflops"] == round(2 * 16 * 1024 * 4096 / 10.0 / 1e6, 1)
     moe = rows[4]  # pro routed_w13, M=1: rows = 6, bytes of the 6 active experts
@@ -231,6 +234,9 @@ def test_json_and_md_writers(tmp_path):
     assert all(len(c) == len(head) for c in cells)  # the "|" in an error got escaped
     pct = head.index("% copy BW (M<=32)")
     assert cells[0][pct] != "" and cells[1][pct] == ""  # M=1 shown, M=16384 blank
+    same = head.index("copy us / ours (%)")
+    assert cells[0][same] == "40.0" and cells[1][same] == ""
+    assert j["summary"]["decode_pct_copy_time_min"] == 40.0
     assert cells[0][head.index("cuBLAS/ours")] == "0.80"
     assert "JIT failed" in cells[1][head.index("notes")]
     assert cells[2][head.index("Marlin us")] == "n/a"

@@ -20,14 +20,18 @@ Bytes (one place, `weight_bytes`): NVFP4 weight + e4m3 scales = N*K*(0.5 + 1/16)
 *active* expert; cuBLAS BF16 reads N*K*2; DeepGEMM FP8 N*K*(1 + 4/128^2). Activations/outputs are
 not counted in GB/s. FLOPs = 2*rows*N*K per group. Copy bandwidth: the faster of a 1 GiB
 device-to-device copy and a 1 GiB bf16 elementwise kernel, read + write bytes / time (until
-2026-12-03 the copy alone, which read low on the H200: 2.77 TB/s). `pct_copy_bw` = our weight GB/s / copy bandwidth (the MD shows it for
-M <= 32 only, where the GEMM should be weight-bandwidth bound).
+2026-12-03 the copy alone, which read low on the H200: 2.77 TB/s). `pct_copy_bw` = our weight
+GB/s / copy bandwidth (the MD shows it for M <= 32 only, where the GEMM should be weight-bandwidth
+bound). Since 2026-12-03 (sixth session) also, for M <= 32, `copy_us`: the same elementwise copy
+kernel moving the row's weight + scale bytes (read + write), timed like the GEMMs, so with the
+launch and pipeline-fill latency that a 1 GiB stream hides; `pct_copy_time` = copy_us / ours us.
 
 Columns:
 - ours: cutedsl.sm90 (BF16 activations, no activation quantization at all).
 - cuBLAS: torch.matmul (dense) / torch.bmm (wo_a), BF16; routed experts: torch._grouped_mm (BF16,
   CUTLASS in torch, not cuBLAS; named in `cublas_impl`).
 - Marlin: vLLM 0.21.0 `apply_fp4_marlin_linear` (NVFP4 W4A16), dense shapes only; n/a otherwise.
+- copy (M <= 32): `bench_copy`, the same-bytes copy above.
 - DeepGEMM: vLLM 0.21.0's bundled DeepGEMM (vllm.third_party.deep_gemm, through the wrappers in
   vllm.utils.deep_gemm, as vLLM calls them) on FP8 e4m3 block weights (128x128 blocks, fp32
   scales) and FP8 activations (1x128 groups, fp32 scales, MN-major TMA-aligned, pre-transformed):
@@ -337,10 +341,11 @@ def new_row(model: str, shape: Shape, m: int) -> dict:
         tactic=None,
     )
     for key in (
-        "us tflops weight_GBps pct_copy_bw cublas_us cublas_tflops cublas_weight_GBps cublas_impl "
+        "us tflops weight_GBps pct_copy_bw copy_us pct_copy_time cublas_us cublas_tflops cublas_weight_GBps cublas_impl "
         "marlin_us marlin_tflops marlin_weight_GBps deepgemm_us deepgemm_tflops deepgemm_quant_us "
         "deepgemm_total_us deepgemm_rows deepgemm_weight_GBps x_cublas x_marlin x_deepgemm "
-        "x_deepgemm_total ours_error cublas_error marlin_error deepgemm_error sweep_us best_tactic "
+        "x_deepgemm_total ours_error cublas_error marlin_error deepgemm_error copy_error sweep_us "
+        "best_tactic "
         "best_us"
     ).split():
         r[key] = None
@@ -363,6 +368,7 @@ def finalize_row(r: dict, copy_bw: float | None) -> dict:
     r["tflops"] = tf(t)
     r["weight_GBps"] = rnd(wb / t / 1e3, 0) if t else None
     r["pct_copy_bw"] = rnd(100 * wb / t / 1e3 / copy_bw, 1) if t and copy_bw else None
+    r["pct_copy_time"] = rnd(100 * r["copy_us"] / t, 1) if t and r["copy_us"] else None
     r["cublas_tflops"] = tf(r["cublas_us"])
     r["cublas_weight_GBps"] = (
         rnd(groups * r["N"] * r["K"] * 2 / r["cublas_us"] / 1e3, 0) if (r["cublas_us"]) else None
@@ -397,6 +403,8 @@ def summarize(rows: list[dict]) -> dict:
     return {
         "decode_pct_copy_bw_min": min(col(dec, "pct_copy_bw"), default=None),
         "decode_pct_copy_bw_geomean": _geo(col(dec, "pct_copy_bw")),
+        "decode_pct_copy_time_min": min(col(dec, "pct_copy_time"), default=None),
+        "decode_pct_copy_time_geomean": _geo(col(dec, "pct_copy_time")),
         "prefill_x_cublas_min": min(col(pre, "x_cublas"), default=None),
         "prefill_x_cublas_geomean": _geo(col(pre, "x_cublas")),
         "x_marlin_geomean": _geo(col(rows, "x_marlin")),
@@ -529,6 +537,34 @@ def bench_ours(
             r["ours_error"] = _err(e)
         print(f"  ours     {shape.name:20s} M={m:6d} us={r['us']} {r['ours_error'] or ''}")
     del wps
+    torch.cuda.empty_cache()
+
+
+def bench_copy(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget) -> None:
+    """Decode anchor (M <= 32): "copy_us", the time a bf16 elementwise copy kernel (x * 2, the
+    faster of the two stream kernels) needs to move the row's weight + scale bytes (read half,
+    write half: the read + write bytes of the copy bandwidth), over rotated buffers (> 3x L2),
+    timed like the GEMMs. It holds the launch and fill latency a GEMM reading those bytes cannot
+    avoid either, unlike the 1 GiB stream; `pct_copy_time` = copy_us / ours us."""
+    for m in [m for m in ms if m <= 32]:
+        if not budget.fits(f"copy {shape.name} M={m}"):
+            return
+        r = rows_by_m[m]
+        try:
+            groups = shape.groups
+            if shape.kind == "moe":
+                groups = r["active_experts"] or active_experts(_routings(shape, m))
+            elif shape.kind == "dense":
+                groups = 1
+            elems = max(1, int(weight_bytes(groups, shape.n, shape.k) / 4))  # bf16, read + write
+            xs = [torch.randn(elems, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(_copies(2 * elems))]  # fmt: skip
+            y = torch.empty_like(xs[0])
+            fns = [lambda x=x, y=y: torch.mul(x, 2, out=y) for x in xs]
+            r["copy_us"] = round(budget.measure(lambda: _graph_time_us(fns, 100)), 2)
+        except Exception as e:  # noqa: BLE001
+            r["copy_error"] = _err(e)
+        print(f"  copy     {shape.name:20s} M={m:6d} us={r['copy_us']} {r['copy_error'] or ''}")
     torch.cuda.empty_cache()
 
 
@@ -786,7 +822,7 @@ def bench_deepgemm(
 
 # ------------------------------------------------------------------------------ output
 
-MD_COLS = [  # (header, key, format); pct_copy_bw only for M <= 32
+MD_COLS = [  # (header, key, format); the copy columns only for M <= 32
     ("shape", "shape", "s"),
     ("M", "M", "d"),
     ("rows", "rows", "d"),
@@ -799,6 +835,8 @@ MD_COLS = [  # (header, key, format); pct_copy_bw only for M <= 32
     ("TF/s", "tflops", ".1f"),
     ("GB/s", "weight_GBps", ".0f"),
     ("% copy BW (M<=32)", "pct_copy_bw", ".1f"),
+    ("same-bytes copy us", "copy_us", ".1f"),
+    ("copy us / ours (%)", "pct_copy_time", ".1f"),
     ("cuBLAS us", "cublas_us", ".1f"),
     ("Marlin us", "marlin_us", ".1f"),
     ("DeepGEMM us (GEMM only)", "deepgemm_us", ".1f"),
@@ -815,12 +853,12 @@ def _cell(r: dict, key: str, fmt: str) -> str:
     if key == "notes":
         errs = [
             f"{w}: {r[f'{w}_error']}"
-            for w in ("ours", "cublas", "marlin", "deepgemm")
+            for w in ("ours", "cublas", "marlin", "deepgemm", "copy")
             if r.get(f"{w}_error") and not str(r[f"{w}_error"]).startswith("n/a: Marlin column")
         ]
         return "; ".join(errs).replace("|", "/")
     v = r.get(key)
-    if key == "pct_copy_bw" and r["M"] > 32:
+    if key in ("pct_copy_bw", "copy_us", "pct_copy_time") and r["M"] > 32:
         return ""
     if v is None:
         if key == "deepgemm_us" and str(r.get("deepgemm_error") or "").startswith("n/a"):
@@ -881,7 +919,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="all", choices=["flash", "pro", "all", "both"])
     p.add_argument("--ms", default=",".join(map(str, M_LIST)), help="comma list of token counts")
     p.add_argument("--shapes", default="", help="comma list of shape names to keep (no prefix)")
-    p.add_argument("--impls", default="ours,cublas,marlin,deepgemm", help="comma list")
+    p.add_argument("--impls", default="ours,cublas,marlin,deepgemm,copy", help="comma list")
     p.add_argument(
         "--sweep",
         nargs="?",
@@ -977,6 +1015,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_marlin(shape, ms, rows_by_m, budget, marlin)
         if "deepgemm" in impls:
             bench_deepgemm(shape, ms, rows_by_m, budget, dg)
+        if "copy" in impls:
+            bench_copy(shape, ms, rows_by_m, budget)
         rows += [finalize_row(rows_by_m[m], copy_bw) for m in ms]
         meta["stopped_early"] = budget.stopped
         write_outputs(args.json, args.md, meta, rows)
