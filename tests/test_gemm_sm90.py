@@ -74,6 +74,11 @@ def test_staged_epilogue_limits(tile_m: int, split_k: int, moe: bool) -> None:
     for tn, tm, sk in ((128, 128, 8), (64, 256, 4)):  # possible, not the default
         assert not K(tile_n=tn, tile_m=tm, split_k=sk).staged_epilogue, (tn, tm, sk)
         assert K(tile_n=tn, tile_m=tm, split_k=sk, staged_epilogue=True).staged_epilogue
+    # 128x128x2: its 5-stage ring (80 KiB) has no room for the 64 staged token rows beside the
+    # 64 KiB parked fp32 tile, so it keeps the register stores
+    assert not K(tile_n=128, tile_m=128, split_k=2).staged_epilogue
+    with pytest.raises(ValueError, match="beside the parked fp32 tile"):
+        K(tile_n=128, tile_m=128, split_k=2, staged_epilogue=True)
     assert K(tile_n=128, tile_m=16, moe=True).staged_epilogue
     assert not K(tile_n=64, tile_m=tile_m, split_k=split_k, moe=moe).staged_epilogue
     with pytest.raises(ValueError, match="staged epilogue"):

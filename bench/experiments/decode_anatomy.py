@@ -1,10 +1,12 @@
 """H200 experiment for issue 5 (decode): how much of a decode GEMM's time is a fixed cost (launch,
 pipeline fill, epilogue, tail) and how much streams weights? For N in the Flash dense widths and
-K from 256 to 8192, M = 16, times the sm90 GEMM with its tuned / rule tactic and the same-bytes
-elementwise copy (the bench's `bench_copy`: read + write = the weight + scale bytes), both as the
-bench times them (CUDA graph over rotated copies, > 3x L2). A least-squares line t = a + bytes / b
-per (N, kernel) gives the fixed cost a (us) and the streaming rate b (GB/s): a GEMM whose b is
-near the copy's but whose a is larger loses its decode time to latency, not to bandwidth.
+K from 256 to 8192, M = 16, times the sm90 GEMM with one unsplit tactic per N (so every point is
+the same kernel; the served tactic, which changes with K, is timed too but not fitted) and the
+same-bytes elementwise copy (the bench's `bench_copy`: read + write = the weight + scale bytes),
+both as the bench times them (CUDA graph over rotated buffers, > 3x L2). A least-squares line
+t = a + bytes / b per (N, kernel) gives the fixed cost a (us) and the streaming rate b (GB/s): a
+GEMM whose b is near the copy's but whose a is larger loses its decode time to latency, not to
+bandwidth.
 
     python3 bench/experiments/decode_anatomy.py [OUT.json]
 """
@@ -20,7 +22,7 @@ import torch
 from cutedsl import sm90 as S
 from cutedsl.bench.gemm_sm90 import _copies, _graph_time_us, random_prepared_weight, weight_bytes
 
-NS = (1536, 4096, 32768)
+NS = {1536: (64, 16, 1), 4096: (64, 16, 1), 32768: (128, 16, 1)}  # N: the fitted tactic
 KS = (256, 512, 1024, 2048, 4096, 8192)
 M = 16
 
@@ -41,7 +43,7 @@ def fit(points: list[tuple[float, float]]) -> dict:
 
 def main() -> int:
     rows = []
-    for n in NS:
+    for n, fixed in NS.items():
         pts: dict[str, list[tuple[float, float]]] = {"gemm": [], "copy": []}
         for k in KS:
             wb = weight_bytes(1, n, k)
@@ -49,20 +51,23 @@ def main() -> int:
             a = torch.randn(M, k, device="cuda", dtype=torch.bfloat16)
             y = torch.empty(M, n, device="cuda", dtype=torch.bfloat16)
             tac = S.launch_tactic(M, n, k, 1, False)
-            gemm = [functools.partial(S.sm90_nvfp4_gemm_prepared, a, wp, out=y) for wp in wps]
+            gemm = [functools.partial(S.sm90_nvfp4_gemm_prepared, a, wp, out=y, tactic=fixed)
+                    for wp in wps]  # fmt: skip
+            served = [functools.partial(S.sm90_nvfp4_gemm_prepared, a, wp, out=y) for wp in wps]
             elems = int(wb / 4)  # bf16 elements: read + write = wb bytes
             xs = [torch.randn(elems, device="cuda", dtype=torch.bfloat16)
-                  for _ in range(_copies(2 * elems))]  # fmt: skip
-            z = torch.empty_like(xs[0])
-            copy = [functools.partial(torch.mul, x, 2, out=z) for x in xs]
-            r = {"N": n, "K": k, "M": M, "tactic": list(tac), "bytes": wb,
+                  for _ in range(_copies(4 * elems))]  # fmt: skip
+            zs = [torch.empty_like(x) for x in xs]  # rotated too: the writes reach DRAM
+            copy = [functools.partial(torch.mul, x, 2, out=z) for x, z in zip(xs, zs)]
+            r = {"N": n, "K": k, "M": M, "tactic": list(fixed), "bytes": wb,
                  "gemm_us": round(_graph_time_us(gemm, 100), 2),
+                 "served_tactic": list(tac), "served_us": round(_graph_time_us(served, 100), 2),
                  "copy_us": round(_graph_time_us(copy, 100), 2)}  # fmt: skip
             pts["gemm"].append((wb, r["gemm_us"]))
             pts["copy"].append((wb, r["copy_us"]))
             print(json.dumps(r), flush=True)
             rows.append(r)
-            del wps, xs
+            del wps, xs, zs
             torch.cuda.empty_cache()
         for kind, p in pts.items():
             r = {"N": n, "fit": kind, **fit(p)}

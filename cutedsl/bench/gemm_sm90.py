@@ -543,7 +543,8 @@ def bench_ours(
 def bench_copy(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget) -> None:
     """Decode anchor (M <= 32): "copy_us", the time a bf16 elementwise copy kernel (x * 2, the
     faster of the two stream kernels) needs to move the row's weight + scale bytes (read half,
-    write half: the read + write bytes of the copy bandwidth), over rotated buffers (> 3x L2),
+    write half: the read + write bytes of the copy bandwidth), over rotated input and output
+    buffers (> 3x L2 together),
     timed like the GEMMs. It holds the launch and fill latency a GEMM reading those bytes cannot
     avoid either, unlike the 1 GiB stream; `pct_copy_time` = copy_us / ours us."""
     for m in [m for m in ms if m <= 32]:
@@ -558,9 +559,9 @@ def bench_copy(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: 
                 groups = 1
             elems = max(1, int(weight_bytes(groups, shape.n, shape.k) / 4))  # bf16, read + write
             xs = [torch.randn(elems, device="cuda", dtype=torch.bfloat16)
-                  for _ in range(_copies(2 * elems))]  # fmt: skip
-            y = torch.empty_like(xs[0])
-            fns = [lambda x=x, y=y: torch.mul(x, 2, out=y) for x in xs]
+                  for _ in range(_copies(4 * elems))]  # fmt: skip
+            ys = [torch.empty_like(x) for x in xs]  # rotated too: the writes reach DRAM
+            fns = [lambda x=x, y=y: torch.mul(x, 2, out=y) for x, y in zip(xs, ys)]
             r["copy_us"] = round(budget.measure(lambda: _graph_time_us(fns, 100)), 2)
         except Exception as e:  # noqa: BLE001
             r["copy_error"] = _err(e)

@@ -103,7 +103,7 @@ class Sm90Nvfp4W4A16GemmKernel:
             and self.stage_off + tile_m // split_k * self.pitch <= self.stages * tile_m * BK * 2
         )
         # By default only where it measured faster than the register stores (H200, 2026-12-03,
-        # bench/experiments/staged_split_moe.py): unsplit, MoE, and split-K 2 (1.03-1.07x). With
+        # bench/experiments/staged_split_moe.py): unsplit, MoE, and split-K 2 (1.01-1.07x). With
         # 4 or 8 splits each CTA's slice is small and the extra CTA barrier and shared-memory pass
         # cost more than they save (0.85-0.98x).
         default = staged_ok and split_k <= 2
@@ -704,7 +704,8 @@ def check_targets() -> list[KernelTarget]:
           r"ld\.shared::cluster\.v2\.f32")),
         ("sm90.w4a16_gemm.grouped.n128m256splitk2", 128, 256, 2, False,
          (r"barrier\.cluster\.arrive", r"ld\.shared::cluster\.v4\.f32", *staged)),
-        ("sm90.w4a16_gemm.moe_offs.n128m64", 128, 64, 1, True, staged),
+        ("sm90.w4a16_gemm.moe_offs.n128m64", 128, 64, 1, True,
+         (*staged, r"fence\.proxy\.async\.shared::cta")),
     ]  # fmt: skip
     return [
         KernelTarget(
