@@ -2,7 +2,7 @@
 pipeline fill, epilogue, tail) and how much streams weights? For N in the Flash dense widths and
 K from 256 to 8192, M = 16, times the sm90 GEMM with one unsplit tactic per N (so every point is
 the same kernel; the served tactic, which changes with K, is timed too but not fitted) and the
-same-bytes elementwise copy (the bench's `bench_copy`: read + write = the weight + scale bytes),
+same-bytes elementwise copy (the bench's `copy_time_us`: read + write = the weight + scale bytes),
 both as the bench times them (CUDA graph over rotated buffers, > 3x L2). A least-squares line
 t = a + bytes / b per (N, kernel) gives the fixed cost a (us) and the streaming rate b (GB/s): a
 GEMM whose b is near the copy's but whose a is larger loses its decode time to latency, not to
@@ -20,7 +20,13 @@ import sys
 import torch
 
 from cutedsl import sm90 as S
-from cutedsl.bench.gemm_sm90 import _copies, _graph_time_us, random_prepared_weight, weight_bytes
+from cutedsl.bench.gemm_sm90 import (
+    _copies,
+    _graph_time_us,
+    copy_time_us,
+    random_prepared_weight,
+    weight_bytes,
+)
 
 NS = {1536: (64, 16, 1), 4096: (64, 16, 1), 32768: (128, 16, 1)}  # N: the fitted tactic
 KS = (256, 512, 1024, 2048, 4096, 8192)
@@ -54,20 +60,15 @@ def main() -> int:
             gemm = [functools.partial(S.sm90_nvfp4_gemm_prepared, a, wp, out=y, tactic=fixed)
                     for wp in wps]  # fmt: skip
             served = [functools.partial(S.sm90_nvfp4_gemm_prepared, a, wp, out=y) for wp in wps]
-            elems = int(wb / 4)  # bf16 elements: read + write = wb bytes
-            xs = [torch.randn(elems, device="cuda", dtype=torch.bfloat16)
-                  for _ in range(_copies(4 * elems))]  # fmt: skip
-            zs = [torch.empty_like(x) for x in xs]  # rotated too: the writes reach DRAM
-            copy = [functools.partial(torch.mul, x, 2, out=z) for x, z in zip(xs, zs)]
             r = {"N": n, "K": k, "M": M, "tactic": list(fixed), "bytes": wb,
                  "gemm_us": round(_graph_time_us(gemm, 100), 2),
                  "served_tactic": list(tac), "served_us": round(_graph_time_us(served, 100), 2),
-                 "copy_us": round(_graph_time_us(copy, 100), 2)}  # fmt: skip
+                 "copy_us": round(copy_time_us(wb), 2)}  # fmt: skip
             pts["gemm"].append((wb, r["gemm_us"]))
             pts["copy"].append((wb, r["copy_us"]))
             print(json.dumps(r), flush=True)
             rows.append(r)
-            del wps, xs, zs
+            del wps
             torch.cuda.empty_cache()
         for kind, p in pts.items():
             r = {"N": n, "fit": kind, **fit(p)}

@@ -18,7 +18,6 @@ import functools
 import json
 import sys
 
-import cutlass.cute as cute
 import torch
 
 from cutedsl import sm90 as S
@@ -26,32 +25,19 @@ from cutedsl.bench.gemm_sm90 import (
     _copies,
     _graph_time_us,
     _reps,
+    dense_shapes,
     random_prepared_weight,
     weight_bytes,
 )
-from cutedsl.kernels import gemm_sm90 as G
+from cutedsl.kernels.gemm_sm90 import compile_kernel
 
-SHAPES = [  # name, groups, N, K (Flash)
-    ("fused_wqa_wkv", 1, 1536, 4096),
-    ("wq_b", 1, 32768, 1024),
-    ("wo_a(G=8)", 8, 1024, 4096),
-    ("wo_b", 1, 4096, 8192),
-    ("shared_w13", 1, 4096, 4096),
-    ("shared_w2", 1, 4096, 2048),
-]
+SHAPES = dense_shapes("flash")  # name: (groups, N, K)
 MS = (512, 1024, 4096, 16384)
 
 
 @functools.cache
 def compiled(tile_n: int, tile_m: int, split_k: int, stages: int | None, staged: bool):
-    kern = G.Sm90Nvfp4W4A16GemmKernel(
-        tile_n=tile_n,
-        tile_m=tile_m,
-        split_k=split_k,
-        stages=stages,
-        staged_epilogue=staged,
-    )
-    return cute.compile(kern, *G.fake_operands(False), options="--enable-tvm-ffi")
+    return compile_kernel(tile_n, tile_m, split_k, False, staged_epilogue=staged, stages=stages)
 
 
 def variants(tac: tuple[int, int, int]) -> dict[str, tuple]:
@@ -72,8 +58,8 @@ def variants(tac: tuple[int, int, int]) -> dict[str, tuple]:
 def main() -> int:
     rows = []
     dev = "cuda"
-    keep = sys.argv[2].split(",") if len(sys.argv) > 2 else [s[0] for s in SHAPES]
-    for name, g, n, k in SHAPES:
+    keep = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SHAPES)
+    for name, (g, n, k) in SHAPES.items():
         if name not in keep:
             continue
         copies = _copies(weight_bytes(g, n, k))

@@ -19,8 +19,10 @@ import torch
 
 from cutedsl import sm90 as S
 from cutedsl.bench.gemm_sm90 import (
+    SHAPES,
     _copies,
     _graph_time_us,
+    dense_shapes,
     expert_counts,
     expert_offsets,
     random_prepared_weight,
@@ -29,20 +31,20 @@ from cutedsl.bench.gemm_sm90 import (
 )
 from cutedsl.kernels.gemm_sm90 import compile_kernel
 
-DENSE = [  # name, N, K, M, split tactics (tile_n, tile_m, split_k)
-    ("fused_wqa_wkv", 1536, 4096, 128, [(64, 128, 4), (64, 128, 8), (64, 128, 2)]),
-    ("fused_wqa_wkv", 1536, 4096, 256, [(64, 256, 4), (64, 256, 2), (128, 256, 4)]),
-    ("fused_wqa_wkv", 1536, 4096, 512, [(128, 256, 4), (128, 256, 2)]),
-    ("fused_wqa_wkv", 1536, 4096, 1024, [(128, 256, 2)]),
-    ("fused_wqa_wkv", 1536, 4096, 4096, [(128, 256, 2)]),
-    ("wo_b", 4096, 8192, 256, [(64, 256, 2)]),
-    ("wo_b", 4096, 8192, 512, [(128, 256, 2)]),
-    ("shared_w13", 4096, 4096, 128, [(64, 128, 2)]),
-    ("shared_w13", 4096, 4096, 256, [(64, 256, 2)]),
-    ("shared_w2", 4096, 2048, 128, [(64, 128, 2)]),
-    ("shared_w2", 4096, 2048, 512, [(128, 256, 2)]),
+DENSE = [  # Flash shape, M, split tactics (tile_n, tile_m, split_k)
+    ("fused_wqa_wkv", 128, [(64, 128, 4), (64, 128, 8), (64, 128, 2)]),
+    ("fused_wqa_wkv", 256, [(64, 256, 4), (64, 256, 2), (128, 256, 4)]),
+    ("fused_wqa_wkv", 512, [(128, 256, 4), (128, 256, 2)]),
+    ("fused_wqa_wkv", 1024, [(128, 256, 2)]),
+    ("fused_wqa_wkv", 4096, [(128, 256, 2)]),
+    ("wo_b", 256, [(64, 256, 2)]),
+    ("wo_b", 512, [(128, 256, 2)]),
+    ("shared_w13", 128, [(64, 128, 2)]),
+    ("shared_w13", 256, [(64, 256, 2)]),
+    ("shared_w2", 128, [(64, 128, 2)]),
+    ("shared_w2", 512, [(128, 256, 2)]),
 ]
-MOE = [("routed_w13", 4096, 4096), ("routed_w2", 4096, 2048)]  # Flash, E = 256, top-6
+MOE = [s for s in SHAPES["flash"] if s.kind == "moe"]  # routed w13 / w2, E = 256, top-6
 MOE_MS = (16, 64, 256, 1024, 4096)
 ROUNDS = 3
 
@@ -82,7 +84,8 @@ def compare(case: dict, operands: list[tuple], out: torch.Tensor, reps: int) -> 
 
 def main() -> int:
     rows = []
-    for name, n, k, m, tactics in DENSE:
+    for name, m, tactics in DENSE:
+        _, n, k = dense_shapes("flash")[name]
         wps = [random_prepared_weight(1, n, k) for _ in range(_copies(weight_bytes(1, n, k)))]
         a = torch.randn(1, m, k, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(1, m, n, device="cuda", dtype=torch.bfloat16)
@@ -96,8 +99,8 @@ def main() -> int:
             rows.append(r)
         del wps
         torch.cuda.empty_cache()
-    e, topk = 256, 6
-    for name, n, k in MOE:
+    for shape in MOE:
+        name, n, k, e, topk = shape.name, shape.n, shape.k, shape.groups, shape.topk
         wp = random_prepared_weight(e, n, k)
         for m in MOE_MS:
             t = m * topk

@@ -20,19 +20,13 @@ from cutedsl.bench.gemm_sm90 import (
     _copies,
     _graph_time_us,
     _reps,
+    dense_shapes,
     random_prepared_weight,
     weight_bytes,
 )
 from cutedsl.kernels import gemm_sm90 as G
 
-SHAPES = {  # name: (groups, N, K)
-    "fused_wqa_wkv": (1, 1536, 4096),
-    "wq_b": (1, 32768, 1024),
-    "wo_a(G=8)": (8, 1024, 4096),
-    "wo_b": (1, 4096, 8192),
-    "shared_w13": (1, 4096, 4096),
-    "shared_w2": (1, 4096, 2048),
-}
+SHAPES = dense_shapes("flash")  # name: (groups, N, K)
 CASES = [  # (tile_n, tile_m), shapes, Ms
     ((128, 256), list(SHAPES), (1024, 4096)),
     ((64, 256), ["wo_b", "shared_w13", "fused_wqa_wkv"], (256, 4096)),

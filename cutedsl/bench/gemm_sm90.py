@@ -142,6 +142,11 @@ def shapes_from_config(cfg: dict) -> list[Shape]:
 SHAPES: dict[str, list[Shape]] = {m: shapes_from_config(c) for m, c in CONFIGS.items()}
 
 
+def dense_shapes(model: str = "flash") -> dict[str, tuple[int, int, int]]:
+    """name -> (groups, N, K) of the model's dense / grouped GEMMs (the experiments' shapes)."""
+    return {s.name: (s.groups, s.n, s.k) for s in SHAPES[model] if s.kind != "moe"}
+
+
 def weight_bytes(groups: int, n: int, k: int) -> float:
     """NVFP4 weight + e4m3 block-scale bytes of `groups` [N, K] matrices (0.5625 B/param)."""
     return groups * n * k * (0.5 + 1 / 16)
@@ -236,6 +241,17 @@ def _streams_gbps() -> dict[str, float]:
         "memcpy": 2 * x.numel() / _graph_time_us([lambda: y.copy_(x)], 10) / 1e3,
         "elementwise": 2 * x.numel() / _graph_time_us([lambda: torch.mul(xb, 2, out=yb)], 10) / 1e3,
     }
+
+
+def copy_time_us(nbytes: float, reps: int = 100) -> float:
+    """Time of the elementwise copy kernel (bf16 x 2) moving `nbytes` (read half, write half: the
+    read + write bytes of the copy bandwidth), over rotated input and output buffers (> 3x L2
+    together), timed like the GEMMs: the same-bytes anchor of a decode GEMM."""
+    elems = max(1, int(nbytes / 4))
+    xs = [torch.randn(elems, device="cuda", dtype=torch.bfloat16)
+          for _ in range(_copies(4 * elems))]  # fmt: skip
+    ys = [torch.empty_like(x) for x in xs]
+    return _graph_time_us([lambda x=x, y=y: torch.mul(x, 2, out=y) for x, y in zip(xs, ys)], reps)
 
 
 def stream_bandwidths_gbps() -> dict[str, float]:
@@ -541,12 +557,10 @@ def bench_ours(
 
 
 def bench_copy(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget) -> None:
-    """Decode anchor (M <= 32): "copy_us", the time a bf16 elementwise copy kernel (x * 2, the
-    faster of the two stream kernels) needs to move the row's weight + scale bytes (read half,
-    write half: the read + write bytes of the copy bandwidth), over rotated input and output
-    buffers (> 3x L2 together),
-    timed like the GEMMs. It holds the launch and fill latency a GEMM reading those bytes cannot
-    avoid either, unlike the 1 GiB stream; `pct_copy_time` = copy_us / ours us."""
+    """Decode anchor (M <= 32): "copy_us" = `copy_time_us` of the row's weight + scale bytes (the
+    elementwise kernel, the faster of the two stream kernels). It holds the launch and fill
+    latency a GEMM reading those bytes cannot avoid either, unlike the 1 GiB stream;
+    `pct_copy_time` = copy_us / ours us."""
     for m in [m for m in ms if m <= 32]:
         if not budget.fits(f"copy {shape.name} M={m}"):
             return
@@ -557,12 +571,8 @@ def bench_copy(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: 
                 groups = r["active_experts"] or active_experts(_routings(shape, m))
             elif shape.kind == "dense":
                 groups = 1
-            elems = max(1, int(weight_bytes(groups, shape.n, shape.k) / 4))  # bf16, read + write
-            xs = [torch.randn(elems, device="cuda", dtype=torch.bfloat16)
-                  for _ in range(_copies(4 * elems))]  # fmt: skip
-            ys = [torch.empty_like(x) for x in xs]  # rotated too: the writes reach DRAM
-            fns = [lambda x=x, y=y: torch.mul(x, 2, out=y) for x, y in zip(xs, ys)]
-            r["copy_us"] = round(budget.measure(lambda: _graph_time_us(fns, 100)), 2)
+            nbytes = weight_bytes(groups, shape.n, shape.k)
+            r["copy_us"] = round(budget.measure(lambda: copy_time_us(nbytes)), 2)
         except Exception as e:  # noqa: BLE001
             r["copy_error"] = _err(e)
         print(f"  copy     {shape.name:20s} M={m:6d} us={r['copy_us']} {r['copy_error'] or ''}")

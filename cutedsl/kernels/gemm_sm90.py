@@ -679,10 +679,17 @@ def compile_kernel(
     *,
     no_jit_engine: bool = False,
     staged_epilogue: bool | None = None,
+    stages: int | None = None,
 ) -> object:
-    """cute.compile one variant from fake tensors (TVM-FFI, env stream)."""
+    """cute.compile one variant from fake tensors (TVM-FFI, env stream); `staged_epilogue` and
+    `stages` override the kernel's defaults (experiments)."""
     kernel = Sm90Nvfp4W4A16GemmKernel(
-        tile_n=tile_n, tile_m=tile_m, split_k=split_k, moe=moe, staged_epilogue=staged_epilogue
+        tile_n=tile_n,
+        tile_m=tile_m,
+        split_k=split_k,
+        moe=moe,
+        stages=stages,
+        staged_epilogue=staged_epilogue,
     )
     args = fake_operands(moe)
     kw = {"no_jit_engine": True} if no_jit_engine else {}
