@@ -344,11 +344,26 @@ def _check_a(a: torch.Tensor, k: int, name: str = "a") -> None:
         raise ValueError(f"{name}: must be contiguous (row-major, K innermost)")
 
 
+_MAX_GRID_Y = 65535
+
+
+def moe_tile_bound(rows: int, experts: int, tile_m: int) -> int:
+    """The MoE kernel's grid.y: an upper bound on sum_e ceil(rows_e / tile_m) over any routing
+    of `rows` rows to `experts` experts (each expert with rows adds at most one partial tile)."""
+    return min(experts, rows) + rows // tile_m
+
+
 def launch_tactic(m: int, n: int, k: int, groups: int, moe: bool) -> tuple[int, int, int]:
     """The tactic a launch of m rows uses when none is forced (what `warmup` must compile).
-    MoE: rows per expert are unknown on the host; size tiles for 2x the uniform share."""
+    MoE: rows per expert are unknown on the host; size tiles for 2x the uniform share. When even
+    min(E, m) experts in 128-row tiles give under two CTAs per SM (m = 6: one decode token), take
+    64-row tiles: H200 2026-12-03 (bench/experiments/moe_schedule.py), routed w13 / w2 at M = 1
+    1.11x / 1.09x faster; at M = 4 (736 CTAs) 0.95x / 0.97x, so not there."""
     m_eff = max(1, 2 * -(-m // groups)) if moe else m
-    return choose_tactic(m_eff, n, k, groups, moe)
+    tile_n, tile_m, split_k = choose_tactic(m_eff, n, k, groups, moe)
+    if moe and tile_n == 128 and min(groups, m) * (n // 128) < 2 * _NUM_SMS_H200:
+        tile_n = 64
+    return tile_n, tile_m, split_k
 
 
 _DUMMY: dict[tuple, torch.Tensor] = {}
@@ -379,6 +394,12 @@ def _launch(
         raise ValueError(f"tactic {tactic}: tile_m {tile_m} not in {TILE_M_VERIFIED}")
     if moe and split_k != 1:
         raise NotImplementedError("split-K with MoE offsets is not wired on the host")
+    if moe and moe_tile_bound(m, wp.groups, tile_m) > _MAX_GRID_Y:
+        raise ValueError(
+            f"a: {m} rows in token tiles of {tile_m} give up to "
+            f"{moe_tile_bound(m, wp.groups, tile_m)} MoE tiles, over the grid limit "
+            f"{_MAX_GRID_Y}; use a larger tile_m"
+        )
     _compiled(tile_n, tile_m, split_k, moe)(*kernel_operands(a3, wp, out3, offs))
 
 

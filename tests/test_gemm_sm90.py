@@ -136,6 +136,38 @@ def test_choose_tactic_rule_decode_splits_k_and_prefill_takes_big_tiles() -> Non
     assert S.choose_tactic(100, 4096, 8192, 256, moe=True) == (128, 128, 1)  # the MoE never splits
     assert S.choose_tactic(1, 256 * 64, 4096, 1, moe=True)[2] == 1
     assert S.launch_tactic(64 * 6, 4096, 4096, 256, moe=True) == (128, 16, 1)  # the 12-03 sweep
+    assert S.launch_tactic(6, 4096, 4096, 256, moe=True) == (64, 16, 1)  # 192 CTAs of 128 rows
+    assert S.launch_tactic(24, 4096, 4096, 256, moe=True) == (128, 16, 1)
+
+
+def test_moe_tile_bound_covers_every_routing() -> None:
+    """The MoE grid (`moe_tile_bound`) holds every expert's m tiles on random, decode-like
+    (one or two rows per expert), one-hot and tile-aligned routings, and is reached by some."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    reached = False
+    for e in (1, 8, 256, 384):
+        for tm in S.TILE_M_VERIFIED:
+            for counts in (
+                torch.randint(0, 3 * tm, (e,), generator=gen),
+                torch.randint(0, 3, (e,), generator=gen),
+                torch.nn.functional.one_hot(torch.tensor(e // 2), e) * (5 * tm + 3),
+                torch.full((e,), tm),
+            ):
+                rows = int(counts.sum())
+                tiles = int(((counts + tm - 1) // tm).sum())
+                bound = S.moe_tile_bound(rows, e, tm)
+                assert tiles <= bound, (e, tm, counts.tolist())
+                reached |= tiles == bound
+    assert reached
+
+
+def test_moe_grid_limit_is_refused() -> None:
+    """A routed launch whose tile bound exceeds grid.y is refused on the host, naming `a`."""
+    wp = S.prepare_nvfp4_weight(*_rand_weight(4, 128, 64, dev="cpu"))
+    a = torch.empty(1, 16 * 70000, 64, dtype=torch.bfloat16)
+    offs = torch.zeros(5, dtype=torch.int32)
+    with pytest.raises(ValueError, match="grid limit 65535"):
+        S._launch(a, wp, torch.empty(1, a.shape[1], 128, dtype=torch.bfloat16), offs, (128, 16, 1))
 
 
 def test_choose_tactic_takes_the_measured_table() -> None:
@@ -482,7 +514,7 @@ def _moe_case(e: int, n: int, k: int, counts: list[int]):
         [3, 0, 129, 1, 0, 64, 127, 7],  # empty experts, tile edges
         [0, 0, 0, 300, 0, 0, 0, 0],  # all tokens on one expert
         [1, 1, 1, 1, 1, 1, 1, 1],
-        [0, 5, 2000, 0, 0, 0, 0, 1],  # hot expert: each CTA loops over several m tiles
+        [0, 5, 2000, 0, 0, 0, 0, 1],  # hot expert: many m tiles of one expert
     ],
     ids=["mixed_empty", "all_on_one", "one_each", "hot_expert"],
 )
@@ -501,7 +533,7 @@ MOE_TACTICS = [(128, 16, 1), (64, 32, 1), (128, 64, 1), (128, 128, 1), (128, 256
 @pytest.mark.parametrize("tactic", MOE_TACTICS, ids=[f"n{t[0]}m{t[1]}" for t in MOE_TACTICS])
 def test_moe_every_tile(tactic) -> None:
     """Every token tile the MoE heuristic can pick, on empty experts, partial tiles and an expert
-    spanning several m tiles (the CTA's m-tile loop)."""
+    spanning several m tiles."""
     wp, offs, a, ref = _moe_case(6, 256, 512, [0, 40, 1, 0, 300, 17])
     out = _poison(ref.shape)
     S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out, tactic=tactic)
@@ -511,8 +543,8 @@ def test_moe_every_tile(tactic) -> None:
 @pytest.mark.sm90
 @pytest.mark.parametrize("tactic", MOE_TACTICS, ids=[f"n{t[0]}m{t[1]}" for t in MOE_TACTICS])
 def test_moe_staged_epilogue_matches_register_stores(tactic) -> None:
-    """The MoE's staged epilogue (the CTA reloads the ring for its next m tile right after it)
-    writes exactly what the register epilogue writes, on experts spanning several m tiles."""
+    """The MoE's staged epilogue writes exactly what the register epilogue writes, on experts
+    spanning several m tiles."""
     from cutedsl.kernels.gemm_sm90 import compile_kernel
 
     tn, tm, _ = tactic
@@ -525,6 +557,24 @@ def test_moe_staged_epilogue_matches_register_stores(tactic) -> None:
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), f"moe tactic {tactic}: staged and register differ"
     _assert_close(outs[0], ref, f"moe staged tactic {tactic}")
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("tactic", [(64, 16, 1), (128, 16, 1), (128, 64, 1)])
+def test_moe_tile_schedule(tactic) -> None:
+    """The in-kernel tile schedule (`_moe_tile`) on more experts than threads (each thread counts
+    the tiles of several experts), mostly one- and two-row experts (decode), one hot expert, and 37
+    non-local rows past offs[E], which must stay unwritten."""
+    e, n, k, extra = 300, 128, 256, 37
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    counts = torch.randint(0, 3, (e,), generator=g)
+    counts[int(torch.randint(0, e, (1,), generator=g))] = 150
+    wp, offs, a, ref = _moe_case(e, n, k, counts.tolist())
+    a = torch.cat([a, torch.randn(extra, k, device="cuda", dtype=torch.bfloat16)])
+    out = _poison((a.shape[0], n))
+    S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out, tactic=tactic)
+    _assert_close(out[: ref.shape[0]], ref, f"moe schedule tactic {tactic}")
+    assert out[ref.shape[0] :].isnan().all(), "rows past offs[E] were written"
 
 
 @pytest.mark.sm90

@@ -14,8 +14,11 @@ along grid.z; each parks its fp32 accumulators in its own shared memory, and aft
 barrier CTA s sums slice s of the tile over the S partials through distributed shared memory, in
 split order (deterministic), and writes `out`. No global scratch, no counters, no atomics.
 MoE mode (`moe=True`): a is (T, K, 1) with the rows of expert e at [offs[e], offs[e+1]) (offs int32
-(E+1,) on the device), out is (N, T, 1); grid.y covers ceil(T / tile_m) tiles for every expert and
-CTAs past their expert's row count exit at once, so routing never reaches the host.
+(E+1,) on the device), out is (N, T, 1). The m tiles of all experts are numbered in expert order
+(expert e has ceil(rows_e / tile_m) of them); grid.y = min(E, T) + T // tile_m bounds their count,
+and CTA y finds its tile y (`_moe_tile`: an exclusive scan of the per-expert tile counts over the
+CTA's threads) or, past the last tile, exits. Routing never reaches the host, and a decode launch
+has no CTA per empty expert (E = 256, T = 96: 96 CTA rows, not 512).
 
 Swap-AB: the dequantized weights are the WGMMA "A" operand (64 weight rows per warpgroup, the M side
 of the instruction) and the tokens are the "B" operand (the N side, 16..256 wide), so a decode
@@ -201,12 +204,12 @@ class Sm90Nvfp4W4A16GemmKernel:
         n_tiles = cute.size(w, mode=[0]) // self.tile_n
         m_tiles = (cute.size(a, mode=[0]) + self.tile_m - 1) // self.tile_m
         groups = cute.size(w, mode=[2])
-        if cutlass.const_expr(self.moe):
-            # Token tiles per expert are unknown on the host: grid.y covers twice the uniform
-            # share (+1) and each CTA loops over m tiles y, y + grid.y, ... of its expert, so a
-            # hot expert (all T rows) is still covered without launching T/tile_m CTAs per expert.
-            m_tiles = cutlass.min(m_tiles, (2 * m_tiles + groups - 1) // groups + 1)
         grid = (n_tiles, m_tiles, groups * self.split_k)
+        if cutlass.const_expr(self.moe):
+            # Every expert's m tiles, numbered in expert order: sum_e ceil(rows_e / tile_m) <=
+            # (experts with rows) + T // tile_m <= min(E, T) + T // tile_m.
+            rows_t = cute.size(a, mode=[0])
+            grid = (n_tiles, cutlass.min(groups, rows_t) + rows_t // self.tile_m, 1)
 
         @cute.struct
         class SharedStorage:
@@ -221,6 +224,7 @@ class Sm90Nvfp4W4A16GemmKernel:
             sS: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Int32, cute.cosize(self.ss_layout)], 128
             ]
+            sched: cute.struct.MemRange[cutlass.Int32, self.threads // 32 + 2]  # `_moe_tile`
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -268,46 +272,47 @@ class Sm90Nvfp4W4A16GemmKernel:
         m_tile = bidy
         grp = bidz // self.split_k
         split = bidz % self.split_k
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        mbar = storage.mbar.data_ptr()
+        sA = storage.sA.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
+        sQ = storage.sQ.get_tensor(sq_layout)
+        sS = storage.sS.get_tensor(ss_layout)
+        sQ_addr = storage.sQ.data_ptr().toint()
+        sS_addr = storage.sS.data_ptr().toint()
+        park = storage.sA.data_ptr().toint()  # split-K: the fp32 tile, after the mainloop
+        sched = storage.sched.get_tensor(cute.make_layout(self.threads // 32 + 2))
 
         # ---------------------------------------------------------------- rows of this CTA
         row_start = cutlass.Int32(0)
         rows = cutlass.Int32(cute.size(mA, mode=[0]))
         act_l = grp
+        has_tile = cutlass.Boolean(True)  # dense / grouped: every CTA has its tile
         if cutlass.const_expr(self.moe):
-            row_start = mOffs[grp]
-            rows = mOffs[grp + 1] - row_start
+            grp, m_tile = self._moe_tile(mOffs, bidy, tidx, sched)
+            has_tile = grp >= 0
             act_l = 0
-        n_mt = m_tile + 1  # dense / grouped: one m tile per CTA
-        y_step = 1
-        if cutlass.const_expr(self.moe):
-            n_mt = (rows + self.tile_m - 1) // self.tile_m
-            y_step = cute.arch.grid_dim()[1]
+            if has_tile:
+                row_start = mOffs[grp]
+                rows = mOffs[grp + 1] - row_start
 
-        if m_tile < n_mt:
+        if has_tile:
             if warp_idx == 0:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_s)
 
             # ------------------------------------------------------------ smem + pipeline
-            smem = cutlass.utils.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
             producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
             consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32)
             mainloop = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar.data_ptr(),
+                barrier_storage=mbar,
                 num_stages=self.stages,
                 producer_group=producer_group,
                 consumer_group=consumer_group,
                 tx_count=self.tx_bytes,
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             )
-            sA = storage.sA.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
-            sQ = storage.sQ.get_tensor(sq_layout)
-            sS = storage.sS.get_tensor(ss_layout)
-            sQ_addr = storage.sQ.data_ptr().toint()
-            sS_addr = storage.sS.data_ptr().toint()
-            park = storage.sA.data_ptr().toint()  # split-K: the fp32 tile, after the mainloop
 
             # ------------------------------------------------------------ global tiles
             mA_cta = mA
@@ -361,87 +366,81 @@ class Sm90Nvfp4W4A16GemmKernel:
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            for m_tile in cutlass.range(bidy, n_mt, y_step, unroll=1):
-                rows_left = rows - m_tile * self.tile_m
-                # (tile_m, BK, k_tiles)
-                gA = cute.local_tile(mA_cta, (self.tile_m, BK), (m_tile, None, act_l))
-                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                    tma_a,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sA, 0, 2),
-                    cute.group_modes(gA, 0, 2),
-                )
-                acc.fill(0.0)
-                # The producer's count runs on across m tiles: K tile = count - (count at start).
-                k_off = k_first - prod.count
-                k_end = prod.count + k_cnt
-                # ------------------------------------------------------------ prologue loads
-                if warp_idx == 0:
-                    for _ in cutlass.range(cutlass.min(self.stages, k_cnt), unroll=1):
-                        self._issue_loads(
-                            mainloop,
-                            prod,
-                            k_off,
-                            tma_a,
-                            tAgA,
-                            tAsA,
-                            tma_q,
-                            tQgQ,
-                            tQsQ,
-                            tma_s,
-                            tSgS,
-                            tSsS,
-                        )
-                        prod.advance()
-
-                # ------------------------------------------------------------ mainloop
-                mainloop.consumer_wait(cons)
-                self._dequant(frag0, sQ_addr, sS_addr, cons.index, q_off, s_off)
-                # K tiles in pairs so each fragment buffer is a compile-time choice; odd tail last.
-                for kp in cutlass.range(k_cnt // 2, unroll=1):
-                    cons, rel, prod = self._step(
-                        2 * kp, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel, prod,
-                        warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
-                        tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
-                    )  # fmt: skip
-                    cons, rel, prod = self._step(
-                        2 * kp + 1, k_cnt, frag1, frag0, acc, tiled_mma, tCrA, mainloop, cons, rel,
-                        prod, warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
-                        tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
-                    )  # fmt: skip
-                if k_cnt % 2 == 1:
-                    cons, rel, prod = self._step(
-                        k_cnt - 1, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel,
-                        prod, warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
-                        tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
-                    )  # fmt: skip
-                cute.nvgpu.warpgroup.wait_group(0)
-                mainloop.consumer_release(
-                    rel
-                )  # the last K tile's stage (the next m tile refills it)
-                rel.advance()
-
-                # ------------------------------------------------------------ epilogue
-                scale = mGS[grp] * du.DECODE_BIAS  # the decode's products are e2m1·sf·2^-19
-                mC_cta = mC
-                if cutlass.const_expr(self.moe):
-                    mC_cta = cute.domain_offset((0, row_start, 0), mC)
-                gC = cute.local_tile(mC_cta, (self.tile_n, self.tile_m), (n_tile, m_tile, act_l))
-                tCgC = thr_epi.partition_C(gC)
-                if cutlass.const_expr(self.split_k > 1):
-                    self._splitk_reduce(
-                        acc, tCcC, tCgC, rows_left, scale, park, tidx, split,
-                        mC_cta, n_tile, m_tile, act_l,
-                    )  # fmt: skip
-                elif cutlass.const_expr(self.staged_epilogue):
-                    self._staged_epilogue(
-                        acc, mC_cta, n_tile, m_tile, act_l, rows_left, scale, park, tidx
+            rows_left = rows - m_tile * self.tile_m
+            # (tile_m, BK, k_tiles)
+            gA = cute.local_tile(mA_cta, (self.tile_m, BK), (m_tile, None, act_l))
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_a,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2),
+            )
+            acc.fill(0.0)
+            k_off = k_first  # global K tile = k_off + the producer's count
+            k_end = k_cnt
+            # ------------------------------------------------------------ prologue loads
+            if warp_idx == 0:
+                for _ in cutlass.range(cutlass.min(self.stages, k_cnt), unroll=1):
+                    self._issue_loads(
+                        mainloop,
+                        prod,
+                        k_off,
+                        tma_a,
+                        tAgA,
+                        tAsA,
+                        tma_q,
+                        tQgQ,
+                        tQsQ,
+                        tma_s,
+                        tSgS,
+                        tSsS,
                     )
-                else:
-                    for i in cutlass.range_constexpr(cute.size(acc)):
-                        if tCcC[i][1] < rows_left:
-                            tCgC[i] = (acc[i] * scale).to(self.out_dtype)
+                    prod.advance()
+
+            # ------------------------------------------------------------ mainloop
+            mainloop.consumer_wait(cons)
+            self._dequant(frag0, sQ_addr, sS_addr, cons.index, q_off, s_off)
+            # K tiles in pairs so each fragment buffer is a compile-time choice; odd tail last.
+            for kp in cutlass.range(k_cnt // 2, unroll=1):
+                cons, rel, prod = self._step(
+                    2 * kp, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel, prod,
+                    warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
+                    tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
+                )  # fmt: skip
+                cons, rel, prod = self._step(
+                    2 * kp + 1, k_cnt, frag1, frag0, acc, tiled_mma, tCrA, mainloop, cons, rel,
+                    prod, warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
+                    tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
+                )  # fmt: skip
+            if k_cnt % 2 == 1:
+                cons, rel, prod = self._step(
+                    k_cnt - 1, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, mainloop, cons, rel,
+                    prod, warp_idx, k_off, k_end, sQ_addr, sS_addr, q_off, s_off,
+                    tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS,
+                )  # fmt: skip
+            cute.nvgpu.warpgroup.wait_group(0)
+
+            # ------------------------------------------------------------ epilogue
+            scale = mGS[grp] * du.DECODE_BIAS  # the decode's products are e2m1·sf·2^-19
+            mC_cta = mC
+            if cutlass.const_expr(self.moe):
+                mC_cta = cute.domain_offset((0, row_start, 0), mC)
+            gC = cute.local_tile(mC_cta, (self.tile_n, self.tile_m), (n_tile, m_tile, act_l))
+            tCgC = thr_epi.partition_C(gC)
+            if cutlass.const_expr(self.split_k > 1):
+                self._splitk_reduce(
+                    acc, tCcC, tCgC, rows_left, scale, park, tidx, split,
+                    mC_cta, n_tile, m_tile, act_l,
+                )  # fmt: skip
+            elif cutlass.const_expr(self.staged_epilogue):
+                self._staged_epilogue(
+                    acc, mC_cta, n_tile, m_tile, act_l, rows_left, scale, park, tidx
+                )
+            else:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    if tCcC[i][1] < rows_left:
+                        tCgC[i] = (acc[i] * scale).to(self.out_dtype)
 
     def _stmatrix_addr(self, base, tidx):
         """This lane's `stmatrix .x4 .trans` address for n8 blocks (0, 1) of a staged token-row
@@ -493,11 +492,6 @@ class Sm90Nvfp4W4A16GemmKernel:
             du.stmatrix_x4_trans(st_base + j * 8 * self.pitch, self._bf16_words(vals, scale))
         cute.arch.barrier()
         self._store_token_rows(park, self.tile_m, 0, mC, n_tile, m_tile, act_l, rows_left, tidx)
-        if cutlass.const_expr(self.moe):
-            # The ring is read before warp 0 loads the next m tile into it, and the generic-proxy
-            # writes (stmatrix) are ordered before the async-proxy (TMA) ones.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier()
 
     @cute.jit
     def _splitk_reduce(
@@ -563,6 +557,53 @@ class Sm90Nvfp4W4A16GemmKernel:
             part = du.ld_shared_cluster_f32xn(peers[r] + off, 4)
             tot = [tot[v] + part[v] for v in range(4)]
         return tot
+
+    @cute.jit
+    def _moe_tile(self, mOffs, z, tidx, sched):
+        """(expert, m tile) of MoE tile z, or (-1, 0) past the last tile. Thread t counts the m
+        tiles of experts [t * per, (t + 1) * per) (per = ceil(E / threads)); an exclusive scan of
+        those counts over the CTA (warp `shfl.up` scans, warp totals in the shared `sched`)
+        tells the one thread whose experts hold tile z, which walks them and posts the answer at
+        sched[warps], sched[warps + 1]. Every thread takes part (two CTA barriers)."""
+        warps = self.threads // 32
+        lane = tidx % 32
+        warp = tidx // 32
+        num_e = cute.size(mOffs, mode=[0]) - 1
+        per = (num_e + self.threads - 1) // self.threads
+        e0 = tidx * per
+        own = cutlass.Int32(0)
+        for i in cutlass.range(per, unroll=1):
+            if e0 + i < num_e:
+                own += (mOffs[e0 + i + 1] - mOffs[e0 + i] + self.tile_m - 1) // self.tile_m
+        incl = own
+        for d in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, 1 << d, mask_and_clamp=0)
+            if lane >= (1 << d):
+                incl = incl + up
+        if lane == 31:
+            sched[warp] = incl
+        if tidx == 0:
+            sched[warps] = cutlass.Int32(-1)
+        cute.arch.barrier()
+        first = incl - own  # exclusive prefix of this thread's tiles
+        for w in cutlass.range_constexpr(warps - 1):
+            if w < warp:
+                first += sched[w]
+        if first <= z and z < first + own:
+            for i in cutlass.range(per, unroll=1):
+                e = e0 + i
+                if e < num_e:
+                    cnt = (mOffs[e + 1] - mOffs[e] + self.tile_m - 1) // self.tile_m
+                    if first <= z and z < first + cnt:
+                        sched[warps] = e
+                        sched[warps + 1] = z - first
+                    first += cnt
+        cute.arch.barrier()
+        grp = sched[warps]
+        m_tile = cutlass.Int32(0)
+        if grp >= 0:
+            m_tile = sched[warps + 1]
+        return grp, m_tile
 
     @cute.jit
     def _dequant(self, frag, sQ_addr, sS_addr, stage, q_off, s_off):
@@ -712,7 +753,7 @@ def check_targets() -> list[KernelTarget]:
         ("sm90.w4a16_gemm.grouped.n128m256splitk2", 128, 256, 2, False,
          (r"barrier\.cluster\.arrive", r"ld\.shared::cluster\.v4\.f32", *staged)),
         ("sm90.w4a16_gemm.moe_offs.n128m64", 128, 64, 1, True,
-         (*staged, r"fence\.proxy\.async\.shared::cta")),
+         (*staged, r"shfl\.sync\.up\.b32")),
     ]  # fmt: skip
     return [
         KernelTarget(
