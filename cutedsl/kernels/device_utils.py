@@ -225,3 +225,37 @@ def st_global_v4_b32(addr: Int64, words: tuple, *, loc=None, ip=None) -> None:
     ops += [Int32(w).ir_value(loc=loc, ip=ip) for w in words]
     text = "st.global.v4.b32 [$0], {$1, $2, $3, $4};"
     asm(None, ops, text, "l,r,r,r,r", side_effects=True, loc=loc, ip=ip)
+
+
+# mbarriers by 32-bit shared::cta address: computed once per CTA, so a pipeline step costs the
+# mbarrier instruction and an address add (cutlass.pipeline re-derives each barrier's address from
+# the CTA's shared window on every call).
+
+
+@dsl_user_op
+def mbar_wait(addr: Int32, parity: Int32, *, loc=None, ip=None) -> None:
+    """Block until the phase of parity `parity` of the mbarrier at `addr` has completed
+    (`try_wait.parity` loop; acquire: what the phase's arrivals and TMA bytes wrote is visible)."""
+    ops = [Int32(addr).ir_value(loc=loc, ip=ip), Int32(parity).ir_value(loc=loc, ip=ip)]
+    text = (
+        "{\n.reg .pred p;\nLAB_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n"
+        "@!p bra LAB_WAIT;\n}"
+    )
+    asm(None, ops, text, "r,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mbar_arrive(addr: Int32, *, loc=None, ip=None) -> None:
+    """One arrival on the mbarrier at `addr` (release: this thread's prior accesses are done)."""
+    ops = [Int32(addr).ir_value(loc=loc, ip=ip)]
+    asm(None, ops, "mbarrier.arrive.shared::cta.b64 _, [$0];", "r", side_effects=True, loc=loc,
+        ip=ip)  # fmt: skip
+
+
+@dsl_user_op
+def mbar_arrive_expect_tx(addr: Int32, nbytes: int, *, loc=None, ip=None) -> None:
+    """One arrival on the mbarrier at `addr` that also expects `nbytes` of TMA transactions."""
+    ops = [Int32(addr).ir_value(loc=loc, ip=ip)]
+    text = f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {nbytes};"
+    asm(None, ops, text, "r", side_effects=True, loc=loc, ip=ip)
