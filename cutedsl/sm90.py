@@ -190,7 +190,8 @@ def _bf16x2_to_f32(word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def decode_emulated(wp: Sm90Nvfp4Weight) -> torch.Tensor:
     """Host model of the kernel's register dequantization (device_utils.nvfp4x8_to_bf16x2x4 and
-    e5m3x4_to_bf16x2x4, same bit operations) -> fp32 [L, N, K] = e2m1 x block scale (no global
+    e5m3x4_to_bf16x2x4, same bit operations; the kernel's `_s2` / `x2` forms give the same bf16
+    products, two scale images per word) -> fp32 [L, N, K] = e2m1 x block scale (no global
     scale). Tests check it equals formats.dequantize_nvfp4 of the original weight."""
     from cutedsl.kernels import device_utils as du
 

@@ -218,6 +218,21 @@ def test_encoding_decodes_exactly_to_the_nvfp4_weight() -> None:
     assert torch.equal(S.dequantize_prepared(wp), want * gs[:, None, None])
 
 
+def test_two_scale_images_per_word_match_one_per_word() -> None:
+    """`e5m3x4_to_bf16x2x2` builds (0x07 << 8 | c1) << 16 | (0x07 << 8 | c0) with one `prmt` and
+    shifts the whole word left by 4: each half must equal the single-scale image
+    (0x07 << 8 | c) << 4 of `e5m3x4_to_bf16x2x4`, for every pair of codes (the low half's top
+    nibble is 0, so nothing crosses into the high half)."""
+    from cutedsl.kernels import device_utils as du
+
+    c = torch.arange(256, dtype=torch.int64)
+    c0, c1 = c.repeat_interleave(256), c.repeat(256)
+    hi = du.SCALE_HI
+    word = (((hi << 8 | c1) << 16 | (hi << 8 | c0)) << 4) & 0xFFFFFFFF
+    assert torch.equal(word & 0xFFFF, ((hi << 8 | c0) << 4) & 0xFFFF)
+    assert torch.equal(word >> 16, ((hi << 8 | c1) << 4) & 0xFFFF)
+
+
 def test_encoding_places_each_lanes_fragment() -> None:
     """Word (c, q) of a row's 64-wide K tile holds exactly the 8 K positions the PTX wgmma
     register-A layout gives lane c (k = 16j + 8h + 2c + e, j = 2q, 2q+1): decoding a weight whose

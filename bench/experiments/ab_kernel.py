@@ -1,19 +1,22 @@
-"""H200 A/B of two versions of the sm90 GEMM kernel module on the Flash shapes: the current
-`cutedsl/kernels/gemm_sm90.py` against a baseline copy of it (any earlier commit), each with the
-tactic the runner picks (`launch_tactic`), dense / grouped shapes over rotated weight copies and
-the routed experts over the bench's routings (`_routings`), timed like the bench (CUDA graph).
-Each case alternates the two kernels in rounds, median per kernel; outputs must be bit-identical
-and fully written (outputs start as NaN).
+"""H200 A/B of versions of the sm90 GEMM kernel module on the Flash shapes: the current
+`cutedsl/kernels/gemm_sm90.py` against one or more copies of it (earlier commits or variants),
+each with the tactic the runner picks (`launch_tactic`), dense / grouped shapes over rotated
+weight copies and the routed experts over the bench's routings (`_routings`), timed like the
+bench (CUDA graph). Each case alternates the kernels in rounds, median per kernel; every output
+must equal the first baseline's bit for bit and be fully written (outputs start as NaN).
 
     git show REV:cutedsl/kernels/gemm_sm90.py > bench/experiments/_baseline_gemm_sm90.py
-    python3 bench/experiments/ab_kernel.py bench/experiments/_baseline_gemm_sm90.py [OUT.json]
+    python3 bench/experiments/ab_kernel.py bench/experiments/_baseline_gemm_sm90.py [MORE.py ...]
+        [--out OUT.json] [--shapes wq_b,...] [--dense-ms 1,16,...] [--moe-ms 1,16,...]
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib.util
 import json
+import pathlib
 import statistics
 import sys
 
@@ -37,7 +40,7 @@ ROUNDS = 3
 
 
 def load_baseline(path: str):
-    spec = importlib.util.spec_from_file_location("baseline_gemm_sm90", path)
+    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return functools.cache(mod.compile_kernel)
@@ -55,20 +58,31 @@ def compare(kernels: dict, ops: list[tuple], y: torch.Tensor, reps: int) -> dict
         for v, cs in calls.items():
             times[v].append(_graph_time_us(cs, reps))
     med = {v: statistics.median(ts) for v, ts in times.items()}
+    first = next(iter(kernels))
     return {
-        "equal": bool(torch.equal(outs["baseline"], outs["current"])),
+        "equal": {v: bool(torch.equal(outs[first], o)) for v, o in outs.items()},
         "nan": any(bool(o.isnan().any()) for o in outs.values()),
         "us": {v: round(x, 2) for v, x in med.items()},
-        "speedup": round(med["baseline"] / med["current"], 3),
+        "speedup": {v: round(med[first] / x, 3) for v, x in med.items()},
         "rounds": {v: [round(x, 2) for x in ts] for v, ts in times.items()},
     }
 
 
 def main() -> int:
-    baseline = load_baseline(sys.argv[1])
-    current = functools.cache(compile_kernel)
+    p = argparse.ArgumentParser()
+    p.add_argument("baselines", nargs="+", help="kernel module copies; the first is the reference")
+    p.add_argument("--out", default="")
+    p.add_argument("--shapes", default="", help="comma list of Flash shape names (default: all)")
+    p.add_argument("--dense-ms", default=",".join(map(str, DENSE_MS)))
+    p.add_argument("--moe-ms", default=",".join(map(str, MOE_MS)))
+    args = p.parse_args()
+    kernels = {pathlib.Path(b).stem.strip("_"): load_baseline(b) for b in args.baselines}
+    kernels["current"] = functools.cache(compile_kernel)
+    dense_ms = [int(x) for x in args.dense_ms.split(",") if x]
+    moe_ms = [int(x) for x in args.moe_ms.split(",") if x]
+    keep = set(filter(None, args.shapes.split(",")))
     rows = []
-    for shape in SHAPES["flash"]:
+    for shape in (s for s in SHAPES["flash"] if not keep or s.name in keep):
         n, k, g = shape.n, shape.k, shape.groups
         moe = shape.kind == "moe"
         wps = [random_prepared_weight(g, n, k)]
@@ -76,7 +90,7 @@ def main() -> int:
             wps += [
                 random_prepared_weight(g, n, k) for _ in range(_copies(weight_bytes(g, n, k)) - 1)
             ]
-        for m in MOE_MS if moe else DENSE_MS:
+        for m in moe_ms if moe else dense_ms:
             t = shape.rows(m)
             la = g if shape.kind == "grouped" else 1
             a = torch.randn(la, t, k, device="cuda", dtype=torch.bfloat16)
@@ -88,14 +102,14 @@ def main() -> int:
                 ops = [S.kernel_operands(a, w, y) for w in wps]
             tac = S.launch_tactic(t, n, k, g, moe)
             r = {"shape": shape.name, "M": m, "tactic": list(tac)}
-            r.update(compare({"baseline": baseline(*tac, moe), "current": current(*tac, moe)},
-                             ops, y, 20 if m >= 1024 else 50))  # fmt: skip
+            fns = {v: compile_fn(*tac, moe) for v, compile_fn in kernels.items()}
+            r.update(compare(fns, ops, y, 20 if m >= 1024 else 50))
             print(json.dumps(r), flush=True)
             rows.append(r)
         del wps
         torch.cuda.empty_cache()
-    if len(sys.argv) > 2:
-        with open(sys.argv[2], "w") as f:
+    if args.out:
+        with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
 

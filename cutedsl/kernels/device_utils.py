@@ -74,7 +74,9 @@ def _asm_i32xn(
 def nvfp4x8_to_bf16x2x4(
     w: Int32, scale_lo: Int32, scale_hi: Int32, *, loc=None, ip=None
 ) -> tuple[Int32, Int32, Int32, Int32]:
-    """Decode one sm90-encoded word of 8 e2m1 codes into 4 bf16x2 words (pair p = 0..3, low half =
+    """(One scale per word: kernels before 2026-12-03's `_s2` form, kept so A/B runs against
+    them still build; `cutedsl.sm90.decode_emulated` models these bit operations.)
+    Decode one sm90-encoded word of 8 e2m1 codes into 4 bf16x2 words (pair p = 0..3, low half =
     the lower K index), pairs 0-1 times `scale_lo`, pairs 2-3 times `scale_hi` (bf16x2 scale words
     from `e5m3x4_to_bf16x2x4`): 9 integer ops and 4 bf16x2 multiplies."""
     m = f"{BF16X2_MASK:#x}"
@@ -97,6 +99,56 @@ def nvfp4x8_to_bf16x2x4(
         "}"
     )
     return _asm_i32xn(4, [w, scale_lo, scale_hi], text, "r,r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def nvfp4x8_to_bf16x2x4_s2(w: Int32, scales: Int32, *, loc=None, ip=None) -> tuple[Int32, ...]:
+    """`nvfp4x8_to_bf16x2x4` with both block scales in one bf16x2 word (`e5m3x4_to_bf16x2x2`):
+    pairs 0-1 times its low half, pairs 2-3 times its high half, each half broadcast in the
+    multiply's operand (no instruction of its own in SASS)."""
+    m = f"{BF16X2_MASK:#x}"
+    text = (
+        "{\n"
+        ".reg .b32 t, u, sl, sh;\n"
+        ".reg .b16 h0, h1;\n"
+        "mov.b32 {h0, h1}, $5;\n"
+        "mov.b32 sl, {h0, h0};\n"
+        "mov.b32 sh, {h1, h1};\n"
+        f"and.b32 t, $4, {m};\n"
+        "mul.rn.bf16x2 $0, t, sl;\n"
+        f"shf.l.wrap.b32 t, $4, $4, {ROT[1]};\n"
+        f"and.b32 t, t, {m};\n"
+        "mul.rn.bf16x2 $1, t, sl;\n"
+        f"shf.l.wrap.b32 t, $4, $4, {ROT[2]};\n"
+        f"and.b32 t, t, {m};\n"
+        "mul.rn.bf16x2 $2, t, sh;\n"
+        f"shf.l.wrap.b32 t, $4, $4, {ROT[3]};\n"
+        f"shf.l.wrap.b32 u, $4, $4, {ROT3_E1};\n"
+        f"and.b32 u, u, {MASK3_E1:#x};\n"
+        f"lop3.b32 t, u, t, {MASK3:#x}, 0xF8;\n"
+        "mul.rn.bf16x2 $3, t, sh;\n"
+        "}"
+    )
+    return _asm_i32xn(4, [w, scales], text, "r,r", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def e5m3x4_to_bf16x2x2(s: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32]:
+    """The 4 e5m3 scale codes of `s` as two bf16x2 words (codes 0, 1 and codes 2, 3; the lower
+    code in the low half): the same bf16 images as `e5m3x4_to_bf16x2x4`, two per word (one
+    `<< 4` shifts both halves: the low half's top nibble is 0)."""
+    hi = SCALE_HI * 0x01010101
+    text = (
+        "{\n"
+        ".reg .b32 k, t;\n"
+        f"mov.b32 k, {hi:#x};\n"
+        "prmt.b32 t, $2, k, 0x4140;\n"
+        "shl.b32 $0, t, 4;\n"
+        "prmt.b32 t, $2, k, 0x4342;\n"
+        "shl.b32 $1, t, 4;\n"
+        "}"
+    )
+    return _asm_i32xn(2, [s], text, "r", loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -29,7 +29,11 @@ Register-A (RS) WGMMA: each thread dequantizes exactly the weights of its own A 
 16 K values per 64-wide K tile: two 8-byte words and two scale words from shared memory) straight
 into registers, so dequantized weights never touch shared memory and no barrier separates the
 dequantization from the MMA. The fragments are double-buffered: while the WGMMAs of K tile k run,
-the threads decode tile k+1 into the other fragment.
+the threads decode tile k+1 into the other fragment. The K loop is unrolled by whole passes over
+the ring, so every stage index, barrier and shared-memory offset and the fragment choice are
+compile-time, and each bf16x2 scale word carries two block scales (the multiplies broadcast its
+halves as operands). Decode is bound by these instructions per weight, not by DRAM (H200
+2026-12-03, bench/results/h200_2026-12-03_session7): together 1.06x geomean, up to 1.10x.
 
 Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n threads:
   - warp 0 issues TMA loads per 64-wide K tile: bf16 activations (128B-swizzled, WGMMA layout),
@@ -385,29 +389,25 @@ class Sm90Nvfp4W4A16GemmKernel:
                     self._load(j, j, loads)
 
             # ------------------------------------------------------------ mainloop
-            # (st, ph): stage and full-barrier parity of the tile being consumed; (pst, pph):
-            # those of the tile before it, whose stage is released and refilled.
-            st = cutlass.Int32(0)
+            # Unrolled by a whole number of ring passes (U steps: stages if even, else twice),
+            # so every step's stage and fragment buffer are compile-time; tile r * U + i has
+            # stage i % stages and full-barrier parity ph ^ (i // stages) & 1, where ph is the
+            # parity of the pass's first tile (it flips per loop iteration only when U = stages).
+            frags = (frag0, frag1)
+            unroll = self.stages if self.stages % 2 == 0 else 2 * self.stages
             ph = cutlass.Int32(0)
-            pst = cutlass.Int32(0)
-            pph = cutlass.Int32(0)
             du.mbar_wait(full, ph)
-            self._dequant(frag0, sQ_addr, sS_addr, st, q_off, s_off)
-            # K tiles in pairs so each fragment buffer is a compile-time choice; odd tail last.
-            for kp in cutlass.range(k_cnt // 2, unroll=1):
-                st, ph, pst, pph = self._step(
-                    2 * kp, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, st, ph, pst, pph,
-                    warp_idx, lane, empty, sQ_addr, sS_addr, q_off, s_off, loads,
-                )  # fmt: skip
-                st, ph, pst, pph = self._step(
-                    2 * kp + 1, k_cnt, frag1, frag0, acc, tiled_mma, tCrA, st, ph, pst, pph,
-                    warp_idx, lane, empty, sQ_addr, sS_addr, q_off, s_off, loads,
-                )  # fmt: skip
-            if k_cnt % 2 == 1:
-                st, ph, pst, pph = self._step(
-                    k_cnt - 1, k_cnt, frag0, frag1, acc, tiled_mma, tCrA, st, ph, pst, pph,
-                    warp_idx, lane, empty, sQ_addr, sS_addr, q_off, s_off, loads,
-                )  # fmt: skip
+            self._dequant(frag0, sQ_addr, sS_addr, 0, q_off, s_off)
+            for r in cutlass.range((k_cnt + unroll - 1) // unroll, unroll=1):
+                for i in cutlass.range_constexpr(unroll):
+                    kt = r * unroll + i
+                    if kt < k_cnt:
+                        self._step(
+                            kt, k_cnt, i, frags[i % 2], frags[(i + 1) % 2], acc, tiled_mma, tCrA,
+                            ph, warp_idx, lane, empty, sQ_addr, sS_addr, q_off, s_off, loads,
+                        )  # fmt: skip
+                if cutlass.const_expr(unroll == self.stages):
+                    ph = ph ^ 1
             cute.nvgpu.warpgroup.wait_group(0)
 
             # ------------------------------------------------------------ epilogue
@@ -601,10 +601,10 @@ class Sm90Nvfp4W4A16GemmKernel:
         q_base = sQ_addr + stage * (self.tile_n * BK // 2) + q_off
         s_base = sS_addr + stage * (self.tile_n * 4) + s_off
         for rr in cutlass.range_constexpr(2):  # rows row0, row0 + 8
-            sw = du.e5m3x4_to_bf16x2x4(du.ld_shared_b32(s_base + rr * 8 * 4))
+            sw = du.e5m3x4_to_bf16x2x2(du.ld_shared_b32(s_base + rr * 8 * 4))
             u0, u1 = du.ld_shared_v2_b32(q_base + rr * 8 * (BK // 2))
             for q, u in ((0, u0), (1, u1)):  # K blocks 2q, 2q + 1
-                w0, w1, w2, w3 = du.nvfp4x8_to_bf16x2x4(u, sw[2 * q], sw[2 * q + 1])
+                w0, w1, w2, w3 = du.nvfp4x8_to_bf16x2x4_s2(u, sw[q])
                 # fragment reg (v1 = row + 8, v2 = k + 8) + 4 * k16 block
                 f32[rr + 0 + 4 * (2 * q)] = w0
                 f32[rr + 2 + 4 * (2 * q)] = w1
@@ -613,13 +613,19 @@ class Sm90Nvfp4W4A16GemmKernel:
 
     @cute.jit
     def _step(
-        self, kt, k_cnt, frag, frag_next, acc, tiled_mma, tCrA, st, ph, pst, pph,
+        self, kt, k_cnt, i, frag, frag_next, acc, tiled_mma, tCrA, ph,
         warp_idx, lane, empty, sQ_addr, sS_addr, q_off, s_off, loads,
     ):  # fmt: skip
-        """K tile kt: WGMMA on `frag` (decoded earlier) and stage st; once the WGMMAs of tile kt-1
-        are done, release its stage pst (one arrival per warp), and warp 0 refills it with tile
-        kt-1+stages when every warp has (empty[pst], parity pph: its round's release); then wait
-        for tile kt+1 and decode it into `frag_next`. Returns the advanced (st, ph, pst, pph)."""
+        """K tile kt = step i (compile-time) of an unrolled pass whose first tile has parity ph:
+        WGMMA on `frag` (decoded earlier) and stage i % stages; once the WGMMAs of tile kt-1 are
+        done, release its stage (one arrival per warp), and warp 0 refills it with tile
+        kt-1+stages when every warp has (the empty barrier's phase of tile kt-1's pass); then wait
+        for tile kt+1 and decode it into `frag_next`."""
+        n = self.stages
+        st, pst, nst = i % n, (i - 1) % n, (i + 1) % n  # this, the previous and the next stage
+        # parities relative to ph (Python floor division: step -1 is the previous pass)
+        pph = ph ^ (((i - 1) // n) & 1)
+        nph = ph ^ (((i + 1) // n) & 1)
         cute.nvgpu.warpgroup.fence()
         for kb in cutlass.range_constexpr(BK // 16):
             cute.gemm(tiled_mma, acc, frag[(None, None, kb)], tCrA[(None, None, kb, st)], acc)
@@ -628,19 +634,12 @@ class Sm90Nvfp4W4A16GemmKernel:
         if kt > 0:
             if lane == 0:
                 du.mbar_arrive(empty + pst * 8)
-            if warp_idx == 0 and kt - 1 + self.stages < k_cnt:
+            if warp_idx == 0 and kt - 1 + n < k_cnt:
                 du.mbar_wait(empty + pst * 8, pph)
-                self._load(kt - 1 + self.stages, pst, loads)
-        pst = st
-        pph = ph
-        st = st + 1
-        if st == self.stages:
-            st = cutlass.Int32(0)
-            ph = ph ^ 1
+                self._load(kt - 1 + n, pst, loads)
         if kt + 1 < k_cnt:
-            du.mbar_wait(loads[1] + st * 8, ph)
-            self._dequant(frag_next, sQ_addr, sS_addr, st, q_off, s_off)
-        return st, ph, pst, pph
+            du.mbar_wait(loads[1] + nst * 8, nph)
+            self._dequant(frag_next, sQ_addr, sS_addr, nst, q_off, s_off)
 
     @cute.jit
     def _load(self, j, st, loads):
