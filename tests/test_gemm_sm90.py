@@ -7,6 +7,8 @@ cutedsl.formats), fresh random data, outputs poisoned with NaN, edge cases and D
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -157,6 +159,7 @@ def test_moe_tile_bound_covers_every_routing() -> None:
                 tiles = int(((counts + tm - 1) // tm).sum())
                 bound = S.moe_tile_bound(rows, e, tm)
                 assert tiles <= bound, (e, tm, counts.tolist())
+                assert gemm_sm90.moe_grid_y(rows, e, tm) == bound  # the kernel's own copy
                 reached |= tiles == bound
     assert reached
 
@@ -219,18 +222,27 @@ def test_encoding_decodes_exactly_to_the_nvfp4_weight() -> None:
 
 
 def test_two_scale_images_per_word_match_one_per_word() -> None:
-    """`e5m3x4_to_bf16x2x2` builds (0x07 << 8 | c1) << 16 | (0x07 << 8 | c0) with one `prmt` and
-    shifts the whole word left by 4: each half must equal the single-scale image
-    (0x07 << 8 | c) << 4 of `e5m3x4_to_bf16x2x4`, for every pair of codes (the low half's top
-    nibble is 0, so nothing crosses into the high half)."""
+    """`e5m3x4_to_bf16x2x2` (prmt selectors 0x4140 / 0x4342 with the 0x07 bytes, then << 4, as
+    its PTX text says) gives, in each half, the single-scale image of `e5m3x4_to_bf16x2x4`
+    (selectors 0x4040..0x4343, << 4) of the same code: codes 0, 1 and 2, 3, low half first, for
+    random scale words and every code in every byte."""
+    import re
+
     from cutedsl.kernels import device_utils as du
 
-    c = torch.arange(256, dtype=torch.int64)
-    c0, c1 = c.repeat_interleave(256), c.repeat(256)
-    hi = du.SCALE_HI
-    word = (((hi << 8 | c1) << 16 | (hi << 8 | c0)) << 4) & 0xFFFFFFFF
-    assert torch.equal(word & 0xFFFF, ((hi << 8 | c0) << 4) & 0xFFFF)
-    assert torch.equal(word >> 16, ((hi << 8 | c1) << 4) & 0xFFFF)
+    for fn, sels in ((du.e5m3x4_to_bf16x2x2, (0x4140, 0x4342)),
+                     (du.e5m3x4_to_bf16x2x4, (0x4040, 0x4141, 0x4242, 0x4343))):  # fmt: skip
+        src = inspect.getsource(fn)
+        assert re.findall(r"prmt\.b32 t, \$\d, k, (0x[0-9a-f]+)", src) == [hex(x) for x in sels]
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    s = torch.cat([torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64),
+                   torch.arange(256, dtype=torch.int64) * 0x01010101])  # fmt: skip
+    k = torch.full_like(s, du.SCALE_HI * 0x01010101)
+    one = [(S._prmt(s, k, sel) << 4) & 0xFFFFFFFF for sel in (0x4040, 0x4141, 0x4242, 0x4343)]
+    two = [(S._prmt(s, k, sel) << 4) & 0xFFFFFFFF for sel in (0x4140, 0x4342)]
+    for q in range(2):
+        assert torch.equal(two[q] & 0xFFFF, one[2 * q] & 0xFFFF)
+        assert torch.equal(two[q] >> 16, one[2 * q + 1] & 0xFFFF)
 
 
 def test_encoding_places_each_lanes_fragment() -> None:

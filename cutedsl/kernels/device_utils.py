@@ -16,6 +16,9 @@ the two functions below):
   scale's 16 codes are stored as 0, so its bf16 image never matters);
 - `mul.rn.bf16x2` of the two is exactly e2m1 · scale · 2^-19 (at most 6 significant bits, normal
   range); the epilogue multiplies by the global scale · 2^19 (DECODE_BIAS).
+The kernel uses the `_s2` / `x2` forms: two scale images per word, each half broadcast in the
+multiply's operand. They give the same products; the host model mirrors the one-scale forms and
+a CPU test checks that the two forms' scale images agree.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ MoE mode (`moe=True`): a is (T, K, 1) with the rows of expert e at [offs[e], off
 (expert e has ceil(rows_e / tile_m) of them); grid.y = min(E, T) + T // tile_m bounds their count,
 and CTA y finds its tile y (`_moe_tile`: an exclusive scan of the per-expert tile counts over the
 CTA's threads) or, past the last tile, exits. Routing never reaches the host, and a decode launch
-has no CTA per empty expert (E = 256, T = 96: 96 CTA rows, not 512).
+has no CTA per empty expert (E = 256, T = 96, tile_m 16: 102 CTA rows, not 512).
 
 Swap-AB: the dequantized weights are the WGMMA "A" operand (64 weight rows per warpgroup, the M side
 of the instruction) and the tokens are the "B" operand (the N side, 16..256 wide), so a decode
@@ -38,10 +38,11 @@ halves as operands). Decode is bound by these instructions per weight, not by DR
 Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n threads:
   - warp 0 issues TMA loads per 64-wide K tile: bf16 activations (128B-swizzled, WGMMA layout),
     encoded weight bytes (tile_n x 32 B) and scale words (tile_n x 4 B) into a `stages` ring.
-    Each stage has a full and an empty mbarrier, driven by their shared::cta addresses with the
-    stage and phase carried as integers (device_utils.mbar_*), not cutlass.pipeline's
-    PipelineTmaAsync (which re-derives each barrier's address per call): 14 % fewer instructions
-    per K tile pair (MoE 128x16), H200 2026-12-03 geomean 1.04x on the Flash shapes (decode
+    Each stage has a full and an empty mbarrier, driven by their shared::cta addresses
+    (device_utils.mbar_*; the stage index is compile-time in the unrolled loop, the phase a
+    loop-carried integer), not cutlass.pipeline's PipelineTmaAsync, which re-derives each
+    barrier's address per call. Before the unroll that alone was 14 % fewer instructions per
+    two K tiles (MoE 128x16) and H200 2026-12-03 geomean 1.04x on the Flash shapes (decode
     1.04x, routed decode 1.08x, up to 1.20x; bench/experiments/ab_kernel.py).
   - every warpgroup issues 4 RS-WGMMA (64 x tile_m x 16) per K tile and keeps one group in flight.
   - epilogue: acc * gs -> bf16, predicated on the token count. Unsplit dense / grouped tiles
@@ -74,6 +75,14 @@ MAX_SPLIT_K = 8  # a split-K cluster is at most the portable cluster size
 SMEM_CAPACITY = 232448  # sm_90 dynamic smem per CTA (227 KiB)
 
 
+def moe_grid_y(rows, experts, tile_m, min_fn=min):
+    """The MoE grid.y: every expert's m tiles, numbered in expert order, number at most
+    sum_e ceil(rows_e / tile_m) <= (experts with rows) + rows // tile_m <= min(E, rows) +
+    rows // tile_m. `min_fn` is `cutlass.min` in the kernel (the host copy is
+    `cutedsl.sm90.moe_tile_bound`; a CPU test keeps the two equal)."""
+    return min_fn(experts, rows) + rows // tile_m
+
+
 class Sm90Nvfp4W4A16GemmKernel:
     """W4A16 NVFP4 grouped GEMM for sm_90a. `__init__` takes codegen configuration only."""
 
@@ -100,6 +109,8 @@ class Sm90Nvfp4W4A16GemmKernel:
         self.num_wg = tile_n // 64
         self.threads = 128 * self.num_wg
         self.stages = stages if stages is not None else self._compute_stages(tile_n, tile_m)
+        if self.stages < 2:  # step kt waits for tile kt+1 before it refills a stage
+            raise ValueError(f"the ring needs >= 2 stages, got {self.stages}")
         # Split-K parks the fp32 tile (4 * tile_n * tile_m bytes) in the activation ring.
         if split_k > 1 and self.stages * tile_m * BK * 2 < 4 * tile_n * tile_m:
             raise ValueError(f"split-K needs >= {tile_n // 32} stages, got {self.stages}")
@@ -213,10 +224,8 @@ class Sm90Nvfp4W4A16GemmKernel:
         groups = cute.size(w, mode=[2])
         grid = (n_tiles, m_tiles, groups * self.split_k)
         if cutlass.const_expr(self.moe):
-            # Every expert's m tiles, numbered in expert order: sum_e ceil(rows_e / tile_m) <=
-            # (experts with rows) + T // tile_m <= min(E, T) + T // tile_m.
             rows_t = cute.size(a, mode=[0])
-            grid = (n_tiles, cutlass.min(groups, rows_t) + rows_t // self.tile_m, 1)
+            grid = (n_tiles, moe_grid_y(rows_t, groups, self.tile_m, cutlass.min), 1)
 
         @cute.struct
         class SharedStorage:
