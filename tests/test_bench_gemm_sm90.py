@@ -389,3 +389,35 @@ def test_committed_tuned_table_is_well_formed():
         assert len(key.split(",")) == 3 and per_m
         for m, e in per_m.items():
             assert int(m) > 0 and e["us"] <= e["next_us"] and len(e["tactic"]) == 3
+
+
+def test_merge_fills_missing_fields_and_rows(tmp_path):
+    """merge_gemm: a run cut short (row 0 without its copy time, the last row missing) plus a
+    re-run that has them gives one table: the first run's values kept, the gaps filled, the
+    missing row appended, derived columns recomputed, provenance recorded; other devices refused."""
+    from cutedsl.bench import merge_gemm as MG
+
+    full = _synthetic_rows()
+    cut = [dict(r) for r in full[:-1]]
+    cut[0]["copy_us"] = None
+    cut[0] = B.finalize_row(cut[0], copy_bw=4000.0)
+    assert cut[0]["pct_copy_time"] is None
+    rerun = [dict(full[0], us=99.0, copy_us=5.0), dict(full[-1])]
+    meta = dict(command="x", date="d1", device="H200", header=["h"], copy_bw_GBps=4000.0)
+    a = dict(meta, rows=cut, stopped_early="time budget reached before y")
+    b = dict(meta, command="z", date="d2", rows=rerun, stopped_early="")
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    out, md = tmp_path / "m.json", tmp_path / "m.md"
+    assert MG.main([str(pa), str(pb), "--json", str(out), "--md", str(md)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["M"]) for r in rows] == [(r["shape"], r["M"]) for r in full]
+    r0 = rows[0]
+    assert r0["us"] == full[0]["us"]  # the first run's time is kept, not the re-run's 99
+    assert r0["copy_us"] == 5.0 and r0["pct_copy_time"] == round(100 * 5.0 / r0["us"], 1)
+    assert r0["merged_from"] == ["a.json", "b.json: copy_us"]
+    assert rows[-1]["merged_from"] == ["b.json"] and rows[-1]["us"] == full[-1]["us"]
+    assert "a.json" in md.read_text() and "b.json" in md.read_text()
+    pb.write_text(json.dumps(dict(b, device="H100")))
+    assert MG.main([str(pa), str(pb)]) == 2
