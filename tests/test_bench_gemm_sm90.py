@@ -421,3 +421,21 @@ def test_merge_fills_missing_fields_and_rows(tmp_path):
     assert "a.json" in md.read_text() and "b.json" in md.read_text()
     pb.write_text(json.dumps(dict(b, device="H100")))
     assert MG.main([str(pa), str(pb)]) == 2
+
+
+def test_ab_loads_a_kernel_module_copy(tmp_path):
+    """bench.ab.load_compile_kernel: a copy of the kernel module (as `git show REV:...` writes it)
+    loads as its own module and gives its cached compile_kernel; a non-module path is refused."""
+    import shutil
+
+    from cutedsl.bench import ab
+    from cutedsl.kernels import gemm_sm90
+
+    copy = tmp_path / "_old_gemm_sm90.py"
+    shutil.copy(gemm_sm90.__file__, copy)
+    fn = ab.load_compile_kernel(str(copy))
+    assert fn.__wrapped__.__module__ == "_old_gemm_sm90"
+    assert fn.__wrapped__ is not gemm_sm90.compile_kernel
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="notes.txt"):
+        ab.load_compile_kernel(str(tmp_path / "notes.txt"))

@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import pathlib
-import statistics
 import sys
 
 import torch
 
 from cutedsl import sm90 as S
+from cutedsl.bench.ab import alternating_rounds, load_compile_kernel
 from cutedsl.bench.gemm_sm90 import (
     SHAPES,
     _copies,
-    _graph_time_us,
     _routings,
     expert_offsets,
     random_prepared_weight,
@@ -40,25 +38,9 @@ MOE_MS = (1, 4, 16, 32, 256, 4096)
 ROUNDS = 3
 
 
-def load_baseline(path: str):
-    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return functools.cache(mod.compile_kernel)
-
-
 def compare(kernels: dict, ops: list[tuple], y: torch.Tensor, reps: int) -> dict:
     calls = {v: [functools.partial(fn, *o) for o in ops] for v, fn in kernels.items()}
-    outs, times = {}, {v: [] for v in kernels}
-    for v, cs in calls.items():
-        y.fill_(float("nan"))
-        cs[0]()
-        torch.cuda.synchronize()
-        outs[v] = y.clone()
-    for _ in range(ROUNDS):
-        for v, cs in calls.items():
-            times[v].append(_graph_time_us(cs, reps))
-    med = {v: statistics.median(ts) for v, ts in times.items()}
+    outs, med, times = alternating_rounds(calls, y, reps, ROUNDS)
     first = next(iter(kernels))
     return {
         "equal": {v: bool(torch.equal(outs[first], o)) for v, o in outs.items()},
@@ -77,7 +59,7 @@ def main() -> int:
     p.add_argument("--dense-ms", default=",".join(map(str, DENSE_MS)))
     p.add_argument("--moe-ms", default=",".join(map(str, MOE_MS)))
     args = p.parse_args()
-    kernels = {pathlib.Path(b).stem.strip("_"): load_baseline(b) for b in args.baselines}
+    kernels = {pathlib.Path(b).stem.strip("_"): load_compile_kernel(b) for b in args.baselines}
     kernels["current"] = functools.cache(compile_kernel)
     dense_ms = [int(x) for x in args.dense_ms.split(",") if x]
     moe_ms = [int(x) for x in args.moe_ms.split(",") if x]

@@ -13,17 +13,15 @@ checked bit-identical to the baseline's and fully written (outputs start as NaN)
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
-import statistics
 import sys
 
 import torch
 
 from cutedsl import sm90 as S
+from cutedsl.bench.ab import alternating_rounds, load_compile_kernel
 from cutedsl.bench.gemm_sm90 import (
     SHAPES,
-    _graph_time_us,
     _routings,
     expert_offsets,
     random_prepared_weight,
@@ -35,15 +33,8 @@ MS = (1, 4, 16, 32, 64, 256, 1024, 4096)
 ROUNDS = 3
 
 
-def load_baseline(path: str):
-    spec = importlib.util.spec_from_file_location("baseline_gemm_sm90", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return functools.cache(mod.compile_kernel)
-
-
 def main() -> int:
-    baseline = load_baseline(sys.argv[1])
+    baseline = load_compile_kernel(sys.argv[1])
     current = functools.cache(compile_kernel)
     rows = []
     for shape in (s for s in SHAPES["flash"] if s.kind == "moe"):
@@ -63,17 +54,8 @@ def main() -> int:
             }
             if m <= 32:
                 variants[f"compact_n{192 - tn}"] = current(192 - tn, tm, 1, True)
-            outs, times = {}, {v: [] for v in variants}
             calls = {v: [functools.partial(fn, *o) for o in ops] for v, fn in variants.items()}
-            for v, cs in calls.items():
-                y.fill_(float("nan"))
-                cs[0]()
-                torch.cuda.synchronize()
-                outs[v] = y.clone()
-            for _ in range(ROUNDS):
-                for v, cs in calls.items():
-                    times[v].append(_graph_time_us(cs, 20 if m >= 1024 else 50))
-            med = {v: statistics.median(ts) for v, ts in times.items()}
+            outs, med, times = alternating_rounds(calls, y, 20 if m >= 1024 else 50, ROUNDS)
             active = sum(int((c > 0).sum()) for c in counts) / len(counts)
             wbytes = active * weight_bytes(1, n, k)
             r = {

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import sys
 
 import torch
 
 from cutedsl import sm90 as S
+from cutedsl.bench.ab import alternating_rounds
 from cutedsl.bench.gemm_sm90 import (
     SHAPES,
     _copies,
-    _graph_time_us,
     dense_shapes,
     expert_counts,
     expert_offsets,
@@ -57,19 +56,12 @@ def compiled(tile_n: int, tile_m: int, split_k: int, moe: bool, staged: bool):
 def compare(case: dict, operands: list[tuple], out: torch.Tensor, reps: int) -> dict:
     """Time both variants over the rotated `operands` in alternating rounds."""
     tac = case["tactic"]
-    outs, times = {}, {False: [], True: []}
-    calls = {}
-    for staged in (False, True):
-        fn = compiled(*tac, case["moe"], staged)
-        calls[staged] = [functools.partial(fn, *ops) for ops in operands]
-        out.fill_(float("nan"))
-        calls[staged][0]()
-        torch.cuda.synchronize()
-        outs[staged] = out.clone()
-    for _ in range(ROUNDS):
-        for staged in (False, True):
-            times[staged].append(_graph_time_us(calls[staged], reps))
-    reg, stg = statistics.median(times[False]), statistics.median(times[True])
+    calls = {
+        staged: [functools.partial(compiled(*tac, case["moe"], staged), *ops) for ops in operands]
+        for staged in (False, True)
+    }
+    outs, med, times = alternating_rounds(calls, out, reps, ROUNDS)
+    reg, stg = med[False], med[True]
     return dict(
         case,
         tactic=list(tac),

@@ -1,7 +1,8 @@
 """Device helpers shared by the CuTeDSL kernels (inline PTX through `llvm.inline_asm`).
 
 Everything here is a `@dsl_user_op` on 32-bit integer registers, so the kernels can move raw bits
-through shared memory and registers without CuTe layouts getting in the way.
+through shared memory and registers without CuTe layouts getting in the way; `warp_inclusive_scan`
+is the one `cute.jit` helper (the routing kernel's and the MoE GEMM's scans).
 
 NVFP4 -> BF16 on sm_90a (no `cvt ... e2m1x2` there, research/cutedsl.md §4b) uses the sm90 weight
 encoding of `cutedsl.sm90` (documented there; `cutedsl.sm90.decode_emulated` is the host model of
@@ -23,6 +24,8 @@ a CPU test checks that the two forms' scale images agree.
 
 from __future__ import annotations
 
+import cutlass
+import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
@@ -314,3 +317,15 @@ def mbar_arrive_expect_tx(addr: Int32, nbytes: int, *, loc=None, ip=None) -> Non
     ops = [Int32(addr).ir_value(loc=loc, ip=ip)]
     text = f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {nbytes};"
     asm(None, ops, text, "r", side_effects=True, loc=loc, ip=ip)
+
+
+@cute.jit
+def warp_inclusive_scan(v: Int32, lane: Int32) -> Int32:
+    """Inclusive prefix sum of `v` over the lanes of a warp (5 `shfl.sync.up` steps; all 32 lanes
+    must take part)."""
+    incl = v
+    for d in cutlass.range_constexpr(5):
+        up = cute.arch.shuffle_sync_up(incl, 1 << d, mask_and_clamp=0)
+        if lane >= (1 << d):
+            incl = incl + up
+    return incl

@@ -138,6 +138,12 @@ class Sm90Nvfp4W4A16GemmKernel:
         self.buffer_align_bytes = 1024
 
     @staticmethod
+    def _stage_bytes(tile_n: int, tile_m: int) -> int:
+        """Bytes of one ring stage (= one stage's TMA transaction): bf16 activations, encoded
+        weight bytes, scale words."""
+        return tile_m * BK * 2 + tile_n * BK // 2 + tile_n * 4
+
+    @staticmethod
     def _compute_stages(tile_n: int, tile_m: int) -> int:
         """The deepest ring (<= 8 stages) with which two CTAs share an SM, where their registers
         allow it (tile_n 64, or tile_m <= 128: <= 128 registers for 256 threads) and it keeps >= 4
@@ -145,7 +151,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         128x128 with 5 stages (two CTAs) is 1.23x faster than with 8 (one) on wq_b at M = 128 and
         1024, and never slower; 64x256 with 3 stages (two CTAs) is 1.15x faster at M = 4096 but
         1.18x slower at M = 256 (a small grid wants depth), hence the >= 4."""
-        per_stage = tile_m * BK * 2 + tile_n * BK // 2 + tile_n * 4
+        per_stage = Sm90Nvfp4W4A16GemmKernel._stage_bytes(tile_n, tile_m)
         deepest = max(2, min(8, (SMEM_CAPACITY - 2048) // per_stage))
         shared = min(8, (SMEM_CAPACITY // 2 - 2048) // per_stage)
         if (tile_n == 64 or tile_m <= 128) and shared >= 4:
@@ -217,7 +223,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         tma_s, mS = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, sf, cute.slice_(self.ss_layout, (None, None, 0)), (self.tile_n, 1)
         )
-        self.tx_bytes = self.tile_m * BK * 2 + self.tile_n * BK // 2 + self.tile_n * 4
+        self.tx_bytes = self._stage_bytes(self.tile_n, self.tile_m)
 
         n_tiles = cute.size(w, mode=[0]) // self.tile_n
         m_tiles = (cute.size(a, mode=[0]) + self.tile_m - 1) // self.tile_m
@@ -573,11 +579,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         for i in cutlass.range(per, unroll=1):
             if e0 + i < num_e:
                 own += (mOffs[e0 + i + 1] - mOffs[e0 + i] + self.tile_m - 1) // self.tile_m
-        incl = own
-        for d in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(incl, 1 << d, mask_and_clamp=0)
-            if lane >= (1 << d):
-                incl = incl + up
+        incl = du.warp_inclusive_scan(own, lane)
         if lane == 31:
             sched[warp] = incl
         if tidx == 0:

@@ -49,7 +49,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cutedsl.kernels.checks import KernelTarget
-from cutedsl.kernels.device_utils import asm
+from cutedsl.kernels.device_utils import asm, warp_inclusive_scan
 
 THREADS = 1024  # route: one CTA
 WARPS = THREADS // 32
@@ -175,21 +175,12 @@ class MoeRouteKernel:
         v = Int32(0)
         if tidx < e:
             v = cnt[tidx]
-        incl = v
-        for d in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(incl, 1 << d, mask_and_clamp=0)
-            if lane >= (1 << d):
-                incl = incl + up
+        incl = warp_inclusive_scan(v, lane)
         if lane == 31:
             wsum[warp] = incl
         cute.arch.barrier()
         if warp == 0:
-            ws = wsum[lane]
-            for d in cutlass.range_constexpr(5):
-                up = cute.arch.shuffle_sync_up(ws, 1 << d, mask_and_clamp=0)
-                if lane >= (1 << d):
-                    ws = ws + up
-            wsum[lane] = ws  # inclusive warp totals
+            wsum[lane] = warp_inclusive_scan(wsum[lane], lane)  # inclusive warp totals
         cute.arch.barrier()
         base = Int32(0)
         if warp > 0:
