@@ -32,6 +32,8 @@ def test_variant_compiles_for_sm90a_with_wgmma(target) -> None:
 def test_check_targets_cover_every_variant() -> None:
     names = {t.name for t in TARGETS}
     assert any("moe_offs" in n for n in names) and any("splitk" in n for n in names)
+    # both load paths: the producer warp (tile_m 16) and warp 0 (tile_m >= 64)
+    assert {"sm90.w4a16_gemm.moe_offs.n128m16", "sm90.w4a16_gemm.moe_offs.n128m64"} <= names
     assert all(t.arch == "sm_90a" and "HGMMA" in "".join(t.sass_patterns) for t in TARGETS)
 
 
@@ -114,6 +116,17 @@ def test_stage_count_fits_and_pairs_ctas(tile: tuple[int, int], stages: int) -> 
         assert stages == 8 or 2 * (smem + 1024 + tm * 128 + tn * 36) > SM_SMEM  # deepest pair
     if (tn, tm) in ((128, 128), (64, 128), (64, 64), (128, 64)):
         assert 2 * (smem + 1024) <= SM_SMEM  # these do pair up
+
+
+@pytest.mark.parametrize("tile", list(STAGES), ids=[f"n{t[0]}m{t[1]}" for t in STAGES])
+def test_producer_warp_default(tile: tuple[int, int]) -> None:
+    """The decode tiles (tile_m 16; 64x32) get a producer warp, the others not: 128x32 (74
+    registers) and the prefill tiles would lose a CTA per SM to the extra warp."""
+    tn, tm = tile
+    k = gemm_sm90.Sm90Nvfp4W4A16GemmKernel(tile_n=tn, tile_m=tm)
+    assert k.producer == (tm == 16 or (tn, tm) == (64, 32))
+    assert k.consumers == 2 * tn
+    assert k.threads == k.consumers + (32 if k.producer else 0)
 
 
 def test_choose_tactic_splits_fit_a_cluster() -> None:
@@ -584,6 +597,52 @@ def test_moe_staged_epilogue_matches_register_stores(tactic) -> None:
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), f"moe tactic {tactic}: staged and register differ"
     _assert_close(outs[0], ref, f"moe staged tactic {tactic}")
+
+
+# (tile_n, tile_m, split_k, moe): decode tiles that have the producer warp by default, and tiles
+# that do not (128x32, prefill) forced to have one, so both load paths meet on each
+PRODUCER = [
+    (64, 16, 8, False),
+    (128, 16, 1, False),
+    (64, 32, 4, False),
+    (128, 32, 2, False),
+    (128, 128, 1, False),
+    (128, 16, 1, True),
+    (64, 16, 1, True),
+]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize(
+    "tile", PRODUCER, ids=[f"n{t[0]}m{t[1]}k{t[2]}{'moe' if t[3] else ''}" for t in PRODUCER]
+)
+def test_producer_warp_matches_warp0_loads(tile) -> None:
+    """With the producer warp the kernel writes exactly what it writes when warp 0 issues the
+    loads, bit for bit (dense: grouped operands with a token tail; MoE: empty experts, partial
+    tiles, an expert over several m tiles), and it matches the reference."""
+    from cutedsl.kernels.gemm_sm90 import compile_kernel
+
+    tn, tm, sk, moe = tile
+    if moe:
+        wp, offs, a, ref = _moe_case(6, 256, 1024, [0, 3 * tm + 5, 1, 0, 300, 17])
+        a, shape = a.unsqueeze(0), (1, *ref.shape)
+    else:
+        g, n, k, m = 2, 512, 2048, 3 * tm // 2 + 5
+        packed, sf, gs = _rand_weight(g, n, k)
+        wp, offs, shape = S.prepare_nvfp4_weight(packed, sf, gs), None, (g, m, n)
+        a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for producer in (True, False):
+        fn = compile_kernel(tn, tm, sk, moe, producer=producer)
+        out = _poison(shape)
+        fn(*S.kernel_operands(a, wp, out, offs))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), f"tile {tile}: producer warp and warp-0 loads differ"
+    if moe:
+        _assert_close(outs[0][0], ref, f"moe tile {tile}")
+    else:
+        for i in range(g):
+            _assert_close(outs[0][i], _ref(a[i], packed[i], sf[i], gs[i]), f"tile {tile} {i}")
 
 
 @pytest.mark.sm90

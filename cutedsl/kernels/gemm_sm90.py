@@ -35,8 +35,10 @@ compile-time, and each bf16x2 scale word carries two block scales (the multiplie
 halves as operands). Decode is bound by these instructions per weight, not by DRAM (H200
 2026-12-03, bench/results/h200_2026-12-03_session7): together 1.06x geomean, up to 1.10x.
 
-Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n threads:
-  - warp 0 issues TMA loads per 64-wide K tile: bf16 activations (128B-swizzled, WGMMA layout),
+Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n consumer threads
+(tile_n / 64 warpgroups) and, for the decode tiles, one producer warp:
+  - the producer warp (`_produce`; without one, warp 0 between its steps) issues TMA loads per
+    64-wide K tile: bf16 activations (128B-swizzled, WGMMA layout),
     encoded weight bytes (tile_n x 32 B) and scale words (tile_n x 4 B) into a `stages` ring.
     Each stage has a full and an empty mbarrier, driven by their shared::cta addresses
     (device_utils.mbar_*; the stage index is compile-time in the unrolled loop, the phase a
@@ -94,6 +96,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         moe: bool = False,
         stages: int | None = None,
         staged_epilogue: bool | None = None,
+        producer: bool | None = None,
     ):
         if tile_n not in (64, 128):
             raise ValueError(f"tile_n must be 64 or 128, got {tile_n}")
@@ -107,7 +110,19 @@ class Sm90Nvfp4W4A16GemmKernel:
         self.split_k = split_k
         self.moe = moe
         self.num_wg = tile_n // 64
-        self.threads = 128 * self.num_wg
+        self.consumers = 128 * self.num_wg  # the warpgroups that dequantize and run WGMMA
+        # A producer warp (the last) issues the TMA loads; without it warp 0 refills the ring
+        # between its steps, waiting for the slowest warp's release, and its warpgroup waits for
+        # it. The extra warp costs a CTA per SM where registers bound the CTAs: by default it is
+        # on where it did not (H200 2026-12-03, bench/results/h200_2026-12-03_session8:
+        # routed decode 1.03-1.08x, dense decode up to 1.09x, outputs bit-identical) and off for
+        # 128x32 (74 registers: 3 CTAs of 256 threads per SM, 2 of 288; 0.90-0.92x) and the
+        # prefill tiles (128x128: 122 registers, one CTA per SM instead of two).
+        if producer is None:
+            producer = tile_m == 16 or (tile_m == 32 and tile_n == 64)
+        self.producer = producer
+        self.load_warp = self.consumers // 32 if self.producer else 0
+        self.threads = self.consumers + (32 if self.producer else 0)
         self.stages = stages if stages is not None else self._compute_stages(tile_n, tile_m)
         if self.stages < 2:  # step kt waits for tile kt+1 before it refills a stage
             raise ValueError(f"the ring needs >= 2 stages, got {self.stages}")
@@ -157,6 +172,12 @@ class Sm90Nvfp4W4A16GemmKernel:
         if (tile_n == 64 or tile_m <= 128) and shared >= 4:
             return shared
         return deepest
+
+    def _weight_view(self, w: cute.Tensor) -> cute.Tensor:
+        """The weight tensor the TMA reads: `w` itself. The hook lets experiments time other
+        global layouts (bench/experiments/ablate_variants.py: contiguous tile blocks, H200
+        2026-12-03: not faster)."""
+        return w
 
     @staticmethod
     def split_error(tile_m: int, split_k: int, moe: bool) -> str | None:
@@ -218,7 +239,10 @@ class Sm90Nvfp4W4A16GemmKernel:
             g2s, a, cute.slice_(self.sa_layout, (None, None, 0)), (self.tile_m, BK)
         )
         tma_q, mQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s, w, cute.slice_(self.sq_layout, (None, None, 0)), (self.tile_n, BK // 2)
+            g2s,
+            self._weight_view(w),
+            cute.slice_(self.sq_layout, (None, None, 0)),
+            (self.tile_n, BK // 2),
         )
         tma_s, mS = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, sf, cute.slice_(self.ss_layout, (None, None, 0)), (self.tile_n, 1)
@@ -319,7 +343,7 @@ class Sm90Nvfp4W4A16GemmKernel:
                 rows = mOffs[grp + 1] - row_start
 
         if has_tile:
-            if warp_idx == 0:
+            if warp_idx == self.load_warp:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_s)
@@ -332,7 +356,7 @@ class Sm90Nvfp4W4A16GemmKernel:
             if tidx == 0:
                 for st in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(mbar + st, 1)
-                    cute.arch.mbarrier_init(mbar + self.stages + st, self.threads // 32)
+                    cute.arch.mbarrier_init(mbar + self.stages + st, self.consumers // 32)
                 cute.arch.mbarrier_init_fence()
             cute.arch.barrier()
 
@@ -397,33 +421,24 @@ class Sm90Nvfp4W4A16GemmKernel:
             )
             acc.fill(0.0)
             loads = (mbar, full, k_first, tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS)
-            # ------------------------------------------------------------ prologue loads
-            # K tile j goes to stage j % stages; the first pass needs no empty-barrier wait.
-            if warp_idx == 0:
-                for j in cutlass.range(cutlass.min(self.stages, k_cnt), unroll=1):
-                    self._load(j, j, loads)
-
-            # ------------------------------------------------------------ mainloop
-            # Unrolled by a whole number of ring passes (U steps: stages if even, else twice),
-            # so every step's stage and fragment buffer are compile-time; tile r * U + i has
-            # stage i % stages and full-barrier parity ph ^ (i // stages) & 1, where ph is the
-            # parity of the pass's first tile (it flips per loop iteration only when U = stages).
             frags = (frag0, frag1)
-            unroll = self.stages if self.stages % 2 == 0 else 2 * self.stages
-            ph = cutlass.Int32(0)
-            du.mbar_wait(full, ph)
-            self._dequant(frag0, sQ_addr, sS_addr, 0, q_off, s_off)
-            for r in cutlass.range((k_cnt + unroll - 1) // unroll, unroll=1):
-                for i in cutlass.range_constexpr(unroll):
-                    kt = r * unroll + i
-                    if kt < k_cnt:
-                        self._step(
-                            kt, k_cnt, i, frags[i % 2], frags[(i + 1) % 2], acc, tiled_mma, tCrA,
-                            ph, warp_idx, lane, empty, sQ_addr, sS_addr, q_off, s_off, loads,
-                        )  # fmt: skip
-                if cutlass.const_expr(unroll == self.stages):
-                    ph = ph ^ 1
-            cute.nvgpu.warpgroup.wait_group(0)
+            if cutlass.const_expr(self.producer):
+                if warp_idx == self.load_warp:
+                    self._produce(k_cnt, empty, loads)
+                else:
+                    self._consume(
+                        k_cnt, frags, acc, tiled_mma, tCrA, warp_idx, lane, empty, sQ_addr,
+                        sS_addr, q_off, s_off, loads,
+                    )  # fmt: skip
+            else:
+                # K tile j goes to stage j % stages; the first pass needs no empty-barrier wait.
+                if warp_idx == 0:
+                    for j in cutlass.range(cutlass.min(self.stages, k_cnt), unroll=1):
+                        self._load(j, j, loads)
+                self._consume(
+                    k_cnt, frags, acc, tiled_mma, tCrA, warp_idx, lane, empty, sQ_addr,
+                    sS_addr, q_off, s_off, loads,
+                )  # fmt: skip
 
             # ------------------------------------------------------------ epilogue
             scale = mGS[grp] * du.DECODE_BIAS  # the decode's products are e2m1·sf·2^-19
@@ -441,10 +456,46 @@ class Sm90Nvfp4W4A16GemmKernel:
                 self._staged_epilogue(
                     acc, mC_cta, n_tile, m_tile, act_l, rows_left, scale, park, tidx
                 )
-            else:
+            elif tidx < self.consumers:
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     if tCcC[i][1] < rows_left:
                         tCgC[i] = (acc[i] * scale).to(self.out_dtype)
+
+    @cute.jit
+    def _produce(self, k_cnt, empty, loads):
+        """The producer warp: K tile j into stage j % stages, once the consumers have released
+        the stage's previous tile (from the second pass on)."""
+        for j in cutlass.range(k_cnt, unroll=1):
+            st = j % self.stages
+            if j >= self.stages:
+                du.mbar_wait(empty + st * 8, ((j // self.stages) + 1) & 1)
+            self._load(j, st, loads)
+
+    @cute.jit
+    def _consume(
+        self, k_cnt, frags, acc, tiled_mma, tCrA, warp_idx, lane, empty, sQ_addr, sS_addr,
+        q_off, s_off, loads,
+    ):  # fmt: skip
+        """The consumer warpgroups' mainloop: unrolled by a whole number of ring passes (U
+        steps: stages if even, else twice), so every step's stage and fragment buffer are
+        compile-time; tile r * U + i has stage i % stages and full-barrier parity
+        ph ^ (i // stages) & 1, where ph is the parity of the pass's first tile (it flips per
+        loop iteration only when U = stages)."""
+        unroll = self.stages if self.stages % 2 == 0 else 2 * self.stages
+        ph = cutlass.Int32(0)
+        du.mbar_wait(loads[1], ph)
+        self._dequant(frags[0], sQ_addr, sS_addr, 0, q_off, s_off)
+        for r in cutlass.range((k_cnt + unroll - 1) // unroll, unroll=1):
+            for i in cutlass.range_constexpr(unroll):
+                kt = r * unroll + i
+                if kt < k_cnt:
+                    self._step(
+                        kt, k_cnt, i, frags[i % 2], frags[(i + 1) % 2], acc, tiled_mma, tCrA,
+                        ph, warp_idx, lane, empty, sQ_addr, sS_addr, q_off, s_off, loads,
+                    )  # fmt: skip
+            if cutlass.const_expr(unroll == self.stages):
+                ph = ph ^ 1
+        cute.nvgpu.warpgroup.wait_group(0)
 
     def _stmatrix_addr(self, base, tidx):
         """This lane's `stmatrix .x4 .trans` address for n8 blocks (0, 1) of a staged token-row
@@ -491,11 +542,13 @@ class Sm90Nvfp4W4A16GemmKernel:
         8 j + 2 (lane % 4) + e) of its warp's 16 x tile_m block (the wgmma C fragment)."""
         st_base = self._stmatrix_addr(park, tidx)
         cute.arch.barrier()  # every warpgroup is past its last WGMMA read of the ring
-        for j in cutlass.range_constexpr(0, self.tile_m // 8, 2):
-            vals = tuple(acc[4 * j + v] for v in range(8))
-            du.stmatrix_x4_trans(st_base + j * 8 * self.pitch, self._bf16_words(vals, scale))
+        if tidx < self.consumers:
+            for j in cutlass.range_constexpr(0, self.tile_m // 8, 2):
+                vals = tuple(acc[4 * j + v] for v in range(8))
+                du.stmatrix_x4_trans(st_base + j * 8 * self.pitch, self._bf16_words(vals, scale))
         cute.arch.barrier()
-        self._store_token_rows(park, self.tile_m, 0, mC, n_tile, m_tile, act_l, rows_left, tidx)
+        if tidx < self.consumers:
+            self._store_token_rows(park, self.tile_m, 0, mC, n_tile, m_tile, act_l, rows_left, tidx)
 
     @cute.jit
     def _splitk_reduce(
@@ -515,9 +568,10 @@ class Sm90Nvfp4W4A16GemmKernel:
         per = E // S  # elements each CTA reduces (per thread)
         vw = 4 if per % 4 == 0 else (2 if per % 2 == 0 else 1)
         cute.arch.barrier()  # every warpgroup is past its last WGMMA read of the ring
-        for c in cutlass.range_constexpr(E // vw):
-            addr = park + ((c * self.threads + tidx) * vw) * 4
-            du.st_shared_f32xn(addr, tuple(acc[c * vw + v] for v in range(vw)))
+        if tidx < self.consumers:
+            for c in cutlass.range_constexpr(E // vw):
+                addr = park + ((c * self.consumers + tidx) * vw) * 4
+                du.st_shared_f32xn(addr, tuple(acc[c * vw + v] for v in range(vw)))
         cute.arch.cluster_arrive()  # release: the parked tile is visible cluster-wide
         cute.arch.cluster_wait()
         peers = [du.mapa_shared(park, s) for s in range(S)]
@@ -529,19 +583,22 @@ class Sm90Nvfp4W4A16GemmKernel:
             # every partial, this CTA's too, is read through DSMEM, so `split` stays a runtime
             # offset (no per-rank copy of this code).
             c0 = split * (per // 4)
-            for jp in cutlass.range_constexpr(n_tok // 16):
-                vals = self._sum_peers(peers, c0 + 2 * jp, tidx) + self._sum_peers(
-                    peers, c0 + 2 * jp + 1, tidx
-                )
-                du.stmatrix_x4_trans(st_base + jp * 16 * self.pitch, self._bf16_words(vals, scale))
+            if tidx < self.consumers:
+                for jp in cutlass.range_constexpr(n_tok // 16):
+                    vals = self._sum_peers(peers, c0 + 2 * jp, tidx) + self._sum_peers(
+                        peers, c0 + 2 * jp + 1, tidx
+                    )
+                    words = self._bf16_words(vals, scale)
+                    du.stmatrix_x4_trans(st_base + jp * 16 * self.pitch, words)
             cute.arch.barrier()
-            self._store_token_rows(
-                stage, n_tok, split * n_tok, mC, n_tile, m_tile, act_l, rows_left, tidx
-            )
-        else:
+            if tidx < self.consumers:
+                self._store_token_rows(
+                    stage, n_tok, split * n_tok, mC, n_tile, m_tile, act_l, rows_left, tidx
+                )
+        elif tidx < self.consumers:
             for c in cutlass.range_constexpr(E // vw):
                 if c // (per // vw) == split:
-                    off = ((c * self.threads + tidx) * vw) * 4
+                    off = ((c * self.consumers + tidx) * vw) * 4
                     tot = list(du.ld_shared_cluster_f32xn(peers[0] + off, vw))
                     for s in cutlass.range_constexpr(1, S):
                         part = du.ld_shared_cluster_f32xn(peers[s] + off, vw)
@@ -555,7 +612,7 @@ class Sm90Nvfp4W4A16GemmKernel:
     def _sum_peers(self, peers, c, tidx):
         """Chunk c (4 fp32 elements, parked at word (c * threads + tidx) * 4) summed over the
         cluster's partials in rank order."""
-        off = ((c * self.threads + tidx) * 4) * 4
+        off = ((c * self.consumers + tidx) * 4) * 4
         tot = list(du.ld_shared_cluster_f32xn(peers[0] + off, 4))
         for r in range(1, len(peers)):
             part = du.ld_shared_cluster_f32xn(peers[r] + off, 4)
@@ -629,9 +686,9 @@ class Sm90Nvfp4W4A16GemmKernel:
     ):  # fmt: skip
         """K tile kt = step i (compile-time) of an unrolled pass whose first tile has parity ph:
         WGMMA on `frag` (decoded earlier) and stage i % stages; once the WGMMAs of tile kt-1 are
-        done, release its stage (one arrival per warp), and warp 0 refills it with tile
-        kt-1+stages when every warp has (the empty barrier's phase of tile kt-1's pass); then wait
-        for tile kt+1 and decode it into `frag_next`."""
+        done, release its stage (one arrival per warp), and without a producer warp warp 0 refills
+        it with tile kt-1+stages when every warp has (the empty barrier's phase of tile kt-1's
+        pass); then wait for tile kt+1 and decode it into `frag_next`."""
         n = self.stages
         st, pst, nst = i % n, (i - 1) % n, (i + 1) % n  # this, the previous and the next stage
         # parities relative to ph (Python floor division: step -1 is the previous pass)
@@ -645,9 +702,10 @@ class Sm90Nvfp4W4A16GemmKernel:
         if kt > 0:
             if lane == 0:
                 du.mbar_arrive(empty + pst * 8)
-            if warp_idx == 0 and kt - 1 + n < k_cnt:
-                du.mbar_wait(empty + pst * 8, pph)
-                self._load(kt - 1 + n, pst, loads)
+            if cutlass.const_expr(not self.producer):
+                if warp_idx == 0 and kt - 1 + n < k_cnt:
+                    du.mbar_wait(empty + pst * 8, pph)
+                    self._load(kt - 1 + n, pst, loads)
         if kt + 1 < k_cnt:
             du.mbar_wait(loads[1] + nst * 8, nph)
             self._dequant(frag_next, sQ_addr, sS_addr, nst, q_off, s_off)
@@ -705,6 +763,7 @@ def compile_kernel(
     no_jit_engine: bool = False,
     staged_epilogue: bool | None = None,
     stages: int | None = None,
+    producer: bool | None = None,
 ) -> object:
     """cute.compile one variant from fake tensors (TVM-FFI, env stream); `staged_epilogue` and
     `stages` override the kernel's defaults (experiments)."""
@@ -715,6 +774,7 @@ def compile_kernel(
         moe=moe,
         stages=stages,
         staged_epilogue=staged_epilogue,
+        producer=producer,
     )
     args = fake_operands(moe)
     kw = {"no_jit_engine": True} if no_jit_engine else {}
@@ -725,7 +785,8 @@ def check_targets() -> list[KernelTarget]:
     """One target per variant: dense/grouped (same kernel, L groups), split-K, MoE offsets. Every
     one must show register-A WGMMA (HGMMA reading an R operand), the prmt decode and TMA; unsplit
     dense / grouped also the staged epilogue (stmatrix, 16-byte stores); split-K the cluster
-    barrier and the distributed-shared-memory loads of the reduction."""
+    barrier and the distributed-shared-memory loads of the reduction. The n64m16, splitk4 and
+    MoE n128m16 variants have the producer warp, the others not."""
     staged = (r"stmatrix\.sync\.aligned\.m8n8\.x4\.trans", r"st\.global\.v4\.b32")
     variants = [
         ("sm90.w4a16_gemm.grouped.n128m256", 128, 256, 1, False, staged),
@@ -737,6 +798,8 @@ def check_targets() -> list[KernelTarget]:
         ("sm90.w4a16_gemm.grouped.n128m256splitk2", 128, 256, 2, False,
          (r"barrier\.cluster\.arrive", r"ld\.shared::cluster\.v4\.f32", *staged)),
         ("sm90.w4a16_gemm.moe_offs.n128m64", 128, 64, 1, True,
+         (*staged, r"shfl\.sync\.up\.b32")),
+        ("sm90.w4a16_gemm.moe_offs.n128m16", 128, 16, 1, True,
          (*staged, r"shfl\.sync\.up\.b32")),
     ]  # fmt: skip
     return [
