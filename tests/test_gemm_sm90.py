@@ -118,13 +118,29 @@ def test_stage_count_fits_and_pairs_ctas(tile: tuple[int, int], stages: int) -> 
         assert 2 * (smem + 1024) <= SM_SMEM  # these do pair up
 
 
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [
+        ({"producer": False, "k_per_stage": 2}, "needs the producer warp"),
+        ({"k_per_stage": 3}, "k_per_stage must be 1 or 2"),
+        ({"stages": 3, "k_per_stage": 2}, "split 3 stages"),
+        ({"stages": 2, "k_per_stage": 2}, "into >= 2"),
+    ],
+)
+def test_k_per_stage_limits_are_refused(kw: dict, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        gemm_sm90.Sm90Nvfp4W4A16GemmKernel(tile_n=64, tile_m=16, **kw)
+
+
 @pytest.mark.parametrize("tile", list(STAGES), ids=[f"n{t[0]}m{t[1]}" for t in STAGES])
 def test_producer_warp_default(tile: tuple[int, int]) -> None:
-    """The decode tiles (tile_m 16; 64x32) get a producer warp, the others not: 128x32 (74
-    registers) and the prefill tiles would lose a CTA per SM to the extra warp."""
+    """The decode tiles (tile_m 16; 64x32) get a producer warp, and 128x16 two K tiles per
+    barrier stage; the others neither: 128x32 (74 registers) and the prefill tiles would lose a
+    CTA per SM to the extra warp."""
     tn, tm = tile
     k = gemm_sm90.Sm90Nvfp4W4A16GemmKernel(tile_n=tn, tile_m=tm)
     assert k.producer == (tm == 16 or (tn, tm) == (64, 32))
+    assert k.kps == (2 if (tn, tm) == (128, 16) else 1) and k.stages % k.kps == 0
     assert k.consumers == 2 * tn
     assert k.threads == k.consumers + (32 if k.producer else 0)
 
@@ -599,45 +615,49 @@ def test_moe_staged_epilogue_matches_register_stores(tactic) -> None:
     _assert_close(outs[0], ref, f"moe staged tactic {tactic}")
 
 
-# (tile_n, tile_m, split_k, moe): decode tiles that have the producer warp by default, and tiles
-# that do not (128x32, prefill) forced to have one, so both load paths meet on each
+# (tile_n, tile_m, split_k, moe, K, stages): decode tiles that have the producer warp (and, on
+# 128x16, two K tiles per barrier stage) by default and tiles that do not (128x32, prefill) forced
+# to, so the load paths meet on each; K gives every split an odd K tile count (the last barrier
+# stage holds one tile); 128x128's 5-stage ring cannot pair, so it runs with 4
 PRODUCER = [
-    (64, 16, 8, False),
-    (128, 16, 1, False),
-    (64, 32, 4, False),
-    (128, 32, 2, False),
-    (128, 128, 1, False),
-    (128, 16, 1, True),
-    (64, 16, 1, True),
+    (64, 16, 8, False, 1536, None),
+    (128, 16, 1, False, 2112, None),
+    (64, 32, 4, False, 768, None),
+    (128, 32, 2, False, 2176, None),
+    (128, 128, 1, False, 2112, 4),
+    (128, 16, 1, True, 1088, None),
+    (64, 16, 1, True, 1088, None),
 ]
+LOAD_PATHS = [(True, 2), (True, 1), (False, 1)]  # (producer warp, K tiles per barrier stage)
 
 
 @pytest.mark.sm90
 @pytest.mark.parametrize(
     "tile", PRODUCER, ids=[f"n{t[0]}m{t[1]}k{t[2]}{'moe' if t[3] else ''}" for t in PRODUCER]
 )
-def test_producer_warp_matches_warp0_loads(tile) -> None:
-    """With the producer warp the kernel writes exactly what it writes when warp 0 issues the
-    loads, bit for bit (dense: grouped operands with a token tail; MoE: empty experts, partial
-    tiles, an expert over several m tiles), and it matches the reference."""
+def test_load_paths_match(tile) -> None:
+    """The producer warp with two or one K tiles per barrier stage and warp 0's loads write the
+    same bits (dense: grouped operands with a token tail; MoE: empty experts, partial tiles, an
+    expert over several m tiles), which match the reference."""
     from cutedsl.kernels.gemm_sm90 import compile_kernel
 
-    tn, tm, sk, moe = tile
+    tn, tm, sk, moe, k, stages = tile
     if moe:
-        wp, offs, a, ref = _moe_case(6, 256, 1024, [0, 3 * tm + 5, 1, 0, 300, 17])
+        wp, offs, a, ref = _moe_case(6, 256, k, [0, 3 * tm + 5, 1, 0, 300, 17])
         a, shape = a.unsqueeze(0), (1, *ref.shape)
     else:
-        g, n, k, m = 2, 512, 2048, 3 * tm // 2 + 5
+        g, n, m = 2, 512, 3 * tm // 2 + 5
         packed, sf, gs = _rand_weight(g, n, k)
         wp, offs, shape = S.prepare_nvfp4_weight(packed, sf, gs), None, (g, m, n)
         a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
     outs = []
-    for producer in (True, False):
-        fn = compile_kernel(tn, tm, sk, moe, producer=producer)
+    for producer, kps in LOAD_PATHS:
+        fn = compile_kernel(tn, tm, sk, moe, producer=producer, k_per_stage=kps, stages=stages)
         out = _poison(shape)
         fn(*S.kernel_operands(a, wp, out, offs))
         outs.append(out)
-    assert torch.equal(outs[0], outs[1]), f"tile {tile}: producer warp and warp-0 loads differ"
+    for path, out in zip(LOAD_PATHS[1:], outs[1:], strict=True):
+        assert torch.equal(outs[0], out), f"tile {tile}: load paths {LOAD_PATHS[0]}, {path} differ"
     if moe:
         _assert_close(outs[0][0], ref, f"moe tile {tile}")
     else:

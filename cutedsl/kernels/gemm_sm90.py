@@ -40,9 +40,10 @@ Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n cons
   - the producer warp (`_produce`; without one, warp 0 between its steps) issues TMA loads per
     64-wide K tile: bf16 activations (128B-swizzled, WGMMA layout),
     encoded weight bytes (tile_n x 32 B) and scale words (tile_n x 4 B) into a `stages` ring.
-    Each stage has a full and an empty mbarrier, driven by their shared::cta addresses
-    (device_utils.mbar_*; the stage index is compile-time in the unrolled loop, the phase a
-    loop-carried integer), not cutlass.pipeline's PipelineTmaAsync, which re-derives each
+    Each barrier stage (k_per_stage = 2 ring stages for the 128x16 decode tiles, so one wait and
+    one release per two K tiles; else 1) has a full and an empty mbarrier, driven by their
+    shared::cta addresses (device_utils.mbar_*; the stage index is compile-time in the unrolled
+    loop, the phase a loop-carried integer), not cutlass.pipeline's PipelineTmaAsync, which re-derives each
     barrier's address per call. Before the unroll that alone was 14 % fewer instructions per
     two K tiles (MoE 128x16) and H200 2026-12-03 geomean 1.04x on the Flash shapes (decode
     1.04x, routed decode 1.08x, up to 1.20x; bench/experiments/ab_kernel.py).
@@ -97,6 +98,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         stages: int | None = None,
         staged_epilogue: bool | None = None,
         producer: bool | None = None,
+        k_per_stage: int | None = None,
     ):
         if tile_n not in (64, 128):
             raise ValueError(f"tile_n must be 64 or 128, got {tile_n}")
@@ -126,6 +128,22 @@ class Sm90Nvfp4W4A16GemmKernel:
         self.stages = stages if stages is not None else self._compute_stages(tile_n, tile_m)
         if self.stages < 2:  # step kt waits for tile kt+1 before it refills a stage
             raise ValueError(f"the ring needs >= 2 stages, got {self.stages}")
+        # K tiles per barrier stage: with 2, one full / empty barrier pair covers two K tiles of
+        # the ring (one wait and one release per two K tiles); the producer warp loads them. By
+        # default only on 128x16, where it measured faster (H200 2026-12-03, session 8: routed
+        # decode 1.02-1.04x, wq_b up to 1.03x, bit-identical); on the 64-row decode tiles it was
+        # mixed (0.98-1.02x: the split-K CTAs' short K loops refill in coarser steps).
+        if k_per_stage is None:
+            k_per_stage = 2 if (tile_n, tile_m) == (128, 16) and self.producer else 1
+        kps = k_per_stage
+        if kps not in (1, 2) or self.stages % kps or self.stages // kps < 2:
+            raise ValueError(
+                f"k_per_stage must be 1 or 2 and split {self.stages} stages into >= 2, got {kps}"
+            )
+        if kps > 1 and not self.producer:
+            raise ValueError("k_per_stage 2 needs the producer warp")
+        self.kps = kps
+        self.groups = self.stages // kps  # barrier stages
         # Split-K parks the fp32 tile (4 * tile_n * tile_m bytes) in the activation ring.
         if split_k > 1 and self.stages * tile_m * BK * 2 < 4 * tile_n * tile_m:
             raise ValueError(f"split-K needs >= {tile_n // 32} stages, got {self.stages}")
@@ -259,7 +277,7 @@ class Sm90Nvfp4W4A16GemmKernel:
 
         @cute.struct
         class SharedStorage:
-            mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            mbar: cute.struct.MemRange[cutlass.Int64, self.groups * 2]
             sA: cute.struct.Align[
                 cute.struct.MemRange[cutlass.BFloat16, cute.cosize(self.sa_layout)],
                 self.buffer_align_bytes,
@@ -349,14 +367,15 @@ class Sm90Nvfp4W4A16GemmKernel:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_s)
 
             # ------------------------------------------------------------ pipeline barriers
-            # full[s] (1 arrival + the stage's TMA bytes) at full + 8 s; empty[s] (one arrival
-            # per warp once it is done with the stage) at empty + 8 s.
+            # Barrier stage g = ring stages [g * kps, (g + 1) * kps): full[g] (1 arrival + the
+            # TMA bytes) at full + 8 g; empty[g] (one arrival per consumer warp once it is done
+            # with the stages) at empty + 8 g.
             full = mbar.toint()
-            empty = full + 8 * self.stages
+            empty = full + 8 * self.groups
             if tidx == 0:
-                for st in cutlass.range_constexpr(self.stages):
+                for st in cutlass.range_constexpr(self.groups):
                     cute.arch.mbarrier_init(mbar + st, 1)
-                    cute.arch.mbarrier_init(mbar + self.stages + st, self.consumers // 32)
+                    cute.arch.mbarrier_init(mbar + self.groups + st, self.consumers // 32)
                 cute.arch.mbarrier_init_fence()
             cute.arch.barrier()
 
@@ -463,13 +482,24 @@ class Sm90Nvfp4W4A16GemmKernel:
 
     @cute.jit
     def _produce(self, k_cnt, empty, loads):
-        """The producer warp: K tile j into stage j % stages, once the consumers have released
-        the stage's previous tile (from the second pass on)."""
-        for j in cutlass.range(k_cnt, unroll=1):
-            st = j % self.stages
-            if j >= self.stages:
-                du.mbar_wait(empty + st * 8, ((j // self.stages) + 1) & 1)
-            self._load(j, st, loads)
+        """The producer warp: K tiles j * kps .. j * kps + kps - 1 into ring stages g * kps ..
+        (barrier stage g = j % groups), once the consumers have released the barrier stage's
+        previous tiles (from the second pass on)."""
+        for j in cutlass.range((k_cnt + self.kps - 1) // self.kps, unroll=1):
+            g = j % self.groups
+            if j >= self.groups:
+                du.mbar_wait(empty + g * 8, ((j // self.groups) + 1) & 1)
+            if cutlass.const_expr(self.kps == 1):
+                self._load(j, g, loads)
+            else:
+                with cute.arch.elect_one():
+                    if j * 2 + 1 < k_cnt:
+                        du.mbar_arrive_expect_tx(loads[1] + g * 8, 2 * self.tx_bytes)
+                    else:  # an odd K tile count: the last barrier stage holds one tile
+                        du.mbar_arrive_expect_tx(loads[1] + g * 8, self.tx_bytes)
+                for h in cutlass.range_constexpr(2):
+                    if j * 2 + h < k_cnt:
+                        self._copy_tile(j * 2 + h, g * 2 + h, g, loads)
 
     @cute.jit
     def _consume(
@@ -691,6 +721,8 @@ class Sm90Nvfp4W4A16GemmKernel:
         pass); then wait for tile kt+1 and decode it into `frag_next`."""
         n = self.stages
         st, pst, nst = i % n, (i - 1) % n, (i + 1) % n  # this, the previous and the next stage
+        # their barrier stages (the unroll is a multiple of kps, so kt % kps = i % kps)
+        pg, ng = pst // self.kps, nst // self.kps
         # parities relative to ph (Python floor division: step -1 is the previous pass)
         pph = ph ^ (((i - 1) // n) & 1)
         nph = ph ^ (((i + 1) // n) & 1)
@@ -699,25 +731,33 @@ class Sm90Nvfp4W4A16GemmKernel:
             cute.gemm(tiled_mma, acc, frag[(None, None, kb)], tCrA[(None, None, kb, st)], acc)
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(1)  # tile kt-1 done: frag_next and its stage are free
-        if kt > 0:
-            if lane == 0:
-                du.mbar_arrive(empty + pst * 8)
-            if cutlass.const_expr(not self.producer):
-                if warp_idx == 0 and kt - 1 + n < k_cnt:
-                    du.mbar_wait(empty + pst * 8, pph)
-                    self._load(kt - 1 + n, pst, loads)
+        if cutlass.const_expr(i % self.kps == 0):  # tile kt-1 ended its barrier stage
+            if kt > 0:
+                if lane == 0:
+                    du.mbar_arrive(empty + pg * 8)
+                if cutlass.const_expr(not self.producer):
+                    if warp_idx == 0 and kt - 1 + n < k_cnt:
+                        du.mbar_wait(empty + pg * 8, pph)
+                        self._load(kt - 1 + n, pst, loads)
         if kt + 1 < k_cnt:
-            du.mbar_wait(loads[1] + nst * 8, nph)
+            if cutlass.const_expr((i + 1) % self.kps == 0):  # tile kt+1 opens a barrier stage
+                du.mbar_wait(loads[1] + ng * 8, nph)
             self._dequant(frag_next, sQ_addr, sS_addr, nst, q_off, s_off)
 
     @cute.jit
     def _load(self, j, st, loads):
-        """Warp 0: TMA loads of this CTA's K tile j (activations, weight bytes, scale words)
-        into stage st, completing full[st] (one arrival that expects the stage's bytes)."""
-        mbar, full, k_first, tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS = loads
+        """TMA loads of this CTA's K tile j into ring stage st, completing full[st] (one
+        arrival that expects the stage's bytes; k_per_stage 1)."""
         with cute.arch.elect_one():
-            du.mbar_arrive_expect_tx(full + st * 8, self.tx_bytes)
-        bar = mbar + st
+            du.mbar_arrive_expect_tx(loads[1] + st * 8, self.tx_bytes)
+        self._copy_tile(j, st, st, loads)
+
+    @cute.jit
+    def _copy_tile(self, j, st, g, loads):
+        """TMA loads of this CTA's K tile j (activations, weight bytes, scale words) into ring
+        stage st, counted on the full barrier of barrier stage g."""
+        mbar, full, k_first, tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS = loads
+        bar = mbar + g
         k = k_first + j  # global K tile index
         cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, st)], tma_bar_ptr=bar)
         cute.copy(tma_q, tQgQ[(None, k)], tQsQ[(None, st)], tma_bar_ptr=bar)
@@ -764,6 +804,7 @@ def compile_kernel(
     staged_epilogue: bool | None = None,
     stages: int | None = None,
     producer: bool | None = None,
+    k_per_stage: int | None = None,
 ) -> object:
     """cute.compile one variant from fake tensors (TVM-FFI, env stream); `staged_epilogue` and
     `stages` override the kernel's defaults (experiments)."""
@@ -775,6 +816,7 @@ def compile_kernel(
         stages=stages,
         staged_epilogue=staged_epilogue,
         producer=producer,
+        k_per_stage=k_per_stage,
     )
     args = fake_operands(moe)
     kw = {"no_jit_engine": True} if no_jit_engine else {}
