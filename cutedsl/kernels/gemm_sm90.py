@@ -33,7 +33,10 @@ the threads decode tile k+1 into the other fragment. The K loop is unrolled by w
 the ring, so every stage index, barrier and shared-memory offset and the fragment choice are
 compile-time, and each bf16x2 scale word carries two block scales (the multiplies broadcast its
 halves as operands). Decode is bound by these instructions per weight, not by DRAM (H200
-2026-12-03, bench/results/h200_2026-12-03_session7): together 1.06x geomean, up to 1.10x.
+2026-12-03, bench/results/h200_2026-12-03_session7): together 1.06x geomean, up to 1.10x. Without
+any decode (bench/experiments/ablate_variants.py, session 8) the kernel runs 1.14-1.26x faster.
+That skeleton of loads, barriers and WGMMA reaches 86-88 % of a same-bytes copy on the routed
+experts.
 
 Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n consumer threads
 (tile_n / 64 warpgroups) and, for the decode tiles, one producer warp:
@@ -475,10 +478,15 @@ class Sm90Nvfp4W4A16GemmKernel:
                 self._staged_epilogue(
                     acc, mC_cta, n_tile, m_tile, act_l, rows_left, scale, park, tidx
                 )
-            elif tidx < self.consumers:
+            elif self._consumer(tidx):
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     if tCcC[i][1] < rows_left:
                         tCgC[i] = (acc[i] * scale).to(self.out_dtype)
+
+    def _consumer(self, tidx):
+        """Whether thread `tidx` is a consumer (holds accumulators): a runtime test only when
+        the CTA has a producer warp, so the kernels without one compile as before it existed."""
+        return tidx < self.consumers if self.producer else True
 
     @cute.jit
     def _produce(self, k_cnt, empty, loads):
@@ -572,12 +580,12 @@ class Sm90Nvfp4W4A16GemmKernel:
         8 j + 2 (lane % 4) + e) of its warp's 16 x tile_m block (the wgmma C fragment)."""
         st_base = self._stmatrix_addr(park, tidx)
         cute.arch.barrier()  # every warpgroup is past its last WGMMA read of the ring
-        if tidx < self.consumers:
+        if self._consumer(tidx):
             for j in cutlass.range_constexpr(0, self.tile_m // 8, 2):
                 vals = tuple(acc[4 * j + v] for v in range(8))
                 du.stmatrix_x4_trans(st_base + j * 8 * self.pitch, self._bf16_words(vals, scale))
         cute.arch.barrier()
-        if tidx < self.consumers:
+        if self._consumer(tidx):
             self._store_token_rows(park, self.tile_m, 0, mC, n_tile, m_tile, act_l, rows_left, tidx)
 
     @cute.jit
@@ -598,7 +606,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         per = E // S  # elements each CTA reduces (per thread)
         vw = 4 if per % 4 == 0 else (2 if per % 2 == 0 else 1)
         cute.arch.barrier()  # every warpgroup is past its last WGMMA read of the ring
-        if tidx < self.consumers:
+        if self._consumer(tidx):
             for c in cutlass.range_constexpr(E // vw):
                 addr = park + ((c * self.consumers + tidx) * vw) * 4
                 du.st_shared_f32xn(addr, tuple(acc[c * vw + v] for v in range(vw)))
@@ -613,7 +621,7 @@ class Sm90Nvfp4W4A16GemmKernel:
             # every partial, this CTA's too, is read through DSMEM, so `split` stays a runtime
             # offset (no per-rank copy of this code).
             c0 = split * (per // 4)
-            if tidx < self.consumers:
+            if self._consumer(tidx):
                 for jp in cutlass.range_constexpr(n_tok // 16):
                     vals = self._sum_peers(peers, c0 + 2 * jp, tidx) + self._sum_peers(
                         peers, c0 + 2 * jp + 1, tidx
@@ -621,11 +629,11 @@ class Sm90Nvfp4W4A16GemmKernel:
                     words = self._bf16_words(vals, scale)
                     du.stmatrix_x4_trans(st_base + jp * 16 * self.pitch, words)
             cute.arch.barrier()
-            if tidx < self.consumers:
+            if self._consumer(tidx):
                 self._store_token_rows(
                     stage, n_tok, split * n_tok, mC, n_tile, m_tile, act_l, rows_left, tidx
                 )
-        elif tidx < self.consumers:
+        elif self._consumer(tidx):
             for c in cutlass.range_constexpr(E // vw):
                 if c // (per // vw) == split:
                     off = ((c * self.consumers + tidx) * vw) * 4
