@@ -46,8 +46,8 @@ Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n cons
     Each barrier stage (k_per_stage = 2 ring stages for the 128x16 decode tiles, so one wait and
     one release per two K tiles; else 1) has a full and an empty mbarrier, driven by their
     shared::cta addresses (device_utils.mbar_*; the stage index is compile-time in the unrolled
-    loop, the phase a loop-carried integer), not cutlass.pipeline's PipelineTmaAsync, which re-derives each
-    barrier's address per call. Before the unroll that alone was 14 % fewer instructions per
+    loop, the phase a loop-carried integer), not cutlass.pipeline's PipelineTmaAsync, which
+    re-derives each barrier's address per call. Before the unroll that alone was 14 % fewer instructions per
     two K tiles (MoE 128x16) and H200 2026-12-03 geomean 1.04x on the Flash shapes (decode
     1.04x, routed decode 1.08x, up to 1.20x; bench/experiments/ab_kernel.py).
   - every warpgroup issues 4 RS-WGMMA (64 x tile_m x 16) per K tile and keeps one group in flight.
