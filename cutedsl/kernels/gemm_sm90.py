@@ -47,9 +47,9 @@ Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n cons
     one release per two K tiles; else 1) has a full and an empty mbarrier, driven by their
     shared::cta addresses (device_utils.mbar_*; the stage index is compile-time in the unrolled
     loop, the phase a loop-carried integer), not cutlass.pipeline's PipelineTmaAsync, which
-    re-derives each barrier's address per call. Before the unroll that alone was 14 % fewer instructions per
-    two K tiles (MoE 128x16) and H200 2026-12-03 geomean 1.04x on the Flash shapes (decode
-    1.04x, routed decode 1.08x, up to 1.20x; bench/experiments/ab_kernel.py).
+    re-derives each barrier's address per call. Before the unroll that alone was 14 % fewer
+    instructions per two K tiles (MoE 128x16) and H200 2026-12-03 geomean 1.04x on the Flash
+    shapes (decode 1.04x, routed decode 1.08x, up to 1.20x; bench/experiments/ab_kernel.py).
   - every warpgroup issues 4 RS-WGMMA (64 x tile_m x 16) per K tile and keeps one group in flight.
   - epilogue: acc * gs -> bf16, predicated on the token count. Unsplit dense / grouped tiles
     stage the bf16 tile in the idle ring (`_staged_epilogue`: stmatrix, then 16-byte stores of
