@@ -21,6 +21,8 @@ Used by `bench/experiments/ab_kernel.py` through one-line shims (see `make_compi
 
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 
@@ -79,7 +81,7 @@ def make_kernel_class(variant: str) -> type:
 
 
 def make_compile(variant: str):
-    """A `compile_kernel` with `gemm_sm90.compile_kernel`'s signature for one ablation."""
+    """`gemm_sm90.compile_kernel` of one ablation's kernel class."""
     if variant == "blocked":
         cls = make_blocked_class(G.Sm90Nvfp4W4A16GemmKernel)
     elif variant.endswith("_blocked"):
@@ -87,28 +89,7 @@ def make_compile(variant: str):
     else:
         cls = make_kernel_class(variant)
 
-    def compile_kernel(
-        tile_n: int,
-        tile_m: int,
-        split_k: int,
-        moe: bool,
-        *,
-        no_jit_engine: bool = False,
-        staged_epilogue: bool | None = None,
-        stages: int | None = None,
-    ) -> object:
-        kernel = cls(
-            tile_n=tile_n,
-            tile_m=tile_m,
-            split_k=split_k,
-            moe=moe,
-            stages=stages,
-            staged_epilogue=staged_epilogue,
-        )
-        kw = {"no_jit_engine": True} if no_jit_engine else {}
-        return cute.compile(kernel, *G.fake_operands(moe), options="--enable-tvm-ffi", **kw)
-
-    return compile_kernel
+    return functools.partial(G.compile_kernel, kernel_cls=cls)
 
 
 def make_blocked_class(base: type) -> type:

@@ -813,10 +813,12 @@ def compile_kernel(
     stages: int | None = None,
     producer: bool | None = None,
     k_per_stage: int | None = None,
+    kernel_cls: type | None = None,
 ) -> object:
-    """cute.compile one variant from fake tensors (TVM-FFI, env stream); `staged_epilogue` and
-    `stages` override the kernel's defaults (experiments)."""
-    kernel = Sm90Nvfp4W4A16GemmKernel(
+    """cute.compile one variant from fake tensors (TVM-FFI, env stream); `staged_epilogue`,
+    `stages`, `producer` and `k_per_stage` override the kernel's defaults, and `kernel_cls` (a
+    subclass) replaces the kernel (experiments: bench/experiments/ablate_variants.py)."""
+    kernel = (kernel_cls or Sm90Nvfp4W4A16GemmKernel)(
         tile_n=tile_n,
         tile_m=tile_m,
         split_k=split_k,
