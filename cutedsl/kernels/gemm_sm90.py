@@ -35,8 +35,8 @@ compile-time, and each bf16x2 scale word carries two block scales (the multiplie
 halves as operands). Decode is bound by these instructions per weight, not by DRAM (H200
 2026-12-03, bench/results/h200_2026-12-03_session7): together 1.06x geomean, up to 1.10x. Without
 any decode (bench/experiments/ablate_variants.py, session 8) the kernel runs 1.14-1.26x faster.
-That skeleton of loads, barriers and WGMMA reaches 86-88 % of a same-bytes copy on the routed
-experts.
+Without the shared loads too, the skeleton of TMA, barriers and WGMMA reaches 86-88 % of a
+same-bytes copy on the routed experts.
 
 Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n consumer threads
 (tile_n / 64 warpgroups) and, for the decode tiles, one producer warp:
