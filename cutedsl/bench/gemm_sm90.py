@@ -30,7 +30,12 @@ Columns:
 - ours: cutedsl.sm90 (BF16 activations, no activation quantization at all).
 - cuBLAS: torch.matmul (dense) / torch.bmm (wo_a), BF16; routed experts: torch._grouped_mm (BF16,
   CUTLASS in torch, not cuBLAS; named in `cublas_impl`).
-- Marlin: vLLM 0.21.0 `apply_fp4_marlin_linear` (NVFP4 W4A16), dense shapes only; n/a otherwise.
+- Marlin: vLLM 0.21.0 NVFP4 W4A16. Dense: `apply_fp4_marlin_linear`. Routed experts (since
+  2026-12-03, ninth session): one `ops.moe_wna16_marlin_gemm` call as vLLM's `fused_marlin_moe`
+  makes it (its block_size_m rule, fp32 reduce, no atomics), on weights and scales repacked per
+  expert as `prepare_nvfp4_moe_layer_for_marlin` does; L1 reads the M token rows through top_k,
+  L2 the M*topk rows with top_k 1, no routing-weight multiply. `moe_align_block_size` (once per
+  batch in vLLM, shared by L1 and L2) is outside the timed graph, as our offsets are. wo_a: n/a.
 - copy (M <= 32): `bench_copy`, the same-bytes copy above.
 - DeepGEMM: vLLM 0.21.0's bundled DeepGEMM (vllm.third_party.deep_gemm, through the wrappers in
   vllm.utils.deep_gemm, as vLLM calls them) on FP8 e4m3 block weights (128x128 blocks, fp32
@@ -115,6 +120,7 @@ class Shape:
     k: int
     groups: int = 1  # G for "grouped", E for "moe", 1 for "dense"
     topk: int = 0  # "moe" only
+    gate_up: bool = False  # "moe" L1: vLLM's Marlin reads the M token rows through top_k
 
     def rows(self, m: int) -> int:
         """Rows of A for m tokens: m (dense), m per group (grouped), m*topk (moe)."""
@@ -134,7 +140,7 @@ def shapes_from_config(cfg: dict) -> list[Shape]:
         Shape("wo_b", "dense", h, g * r),
         Shape("shared_w13", "dense", 2 * i_s, h),
         Shape("shared_w2", "dense", h, i_s),
-        Shape(f"routed_w13(E={e})", "moe", 2 * i, h, groups=e, topk=topk),
+        Shape(f"routed_w13(E={e})", "moe", 2 * i, h, groups=e, topk=topk, gate_up=True),
         Shape(f"routed_w2(E={e})", "moe", h, i, groups=e, topk=topk),
     ]
 
@@ -641,17 +647,129 @@ def load_marlin():
     return (apply_fp4_marlin_linear, rand_marlin_weight_nvfp4_like, ws), "vllm 0.21.0 Marlin"
 
 
+def marlin_moe_weights(e: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Random NVFP4 experts [E, N, K] (uniform bytes, e4m3 block scales in [0.5, 1), fp32
+    global scales in [0.5, 1.5)) repacked for vLLM's Marlin MoE GEMM the way
+    `prepare_nvfp4_moe_layer_for_marlin` repacks a checkpoint: (weight, scales, global scales)."""
+    import vllm._custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_permute_scales
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
+        _nvfp4_compute_scale_factor,
+        nvfp4_marlin_process_global_scale,
+        nvfp4_marlin_process_scales,
+    )
+
+    dt = torch.bfloat16
+    scales = (torch.rand(e, n, k // 16, device="cuda") * 0.5 + 0.5).to(torch.float8_e4m3fn).to(dt)
+    factor = _nvfp4_compute_scale_factor(scales, dt)  # one for all experts, as vLLM
+    perm = torch.empty(0, dtype=torch.int, device="cuda")
+    qw, qs = [], []
+    for i in range(e):
+        q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+        qw.append(
+            ops.gptq_marlin_repack(
+                b_q_weight=q.view(torch.int32).T.contiguous(),
+                perm=perm,
+                size_k=k,
+                size_n=n,
+                num_bits=4,
+                is_a_8bit=False,
+            )
+        )
+        ms = marlin_permute_scales(s=scales[i].T, size_k=k, size_n=n, group_size=16)
+        qs.append(nvfp4_marlin_process_scales(ms, scale_factor=factor, a_dtype=dt)[0])
+    gs = nvfp4_marlin_process_global_scale(torch.rand(e, device="cuda") + 0.5, dt) / factor
+    return torch.stack(qw), torch.stack(qs), gs.float()
+
+
+def marlin_moe_block_size(m: int, topk: int, e: int) -> int:
+    """vLLM 0.21.0 fused_marlin_moe's block_size_m rule."""
+    for bs in (8, 16, 32, 48, 64):
+        if m * topk / e / bs < 0.9:
+            return bs
+    return 64
+
+
+def bench_marlin_moe(
+    shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget, mws: torch.Tensor
+) -> None:
+    """vLLM Marlin NVFP4 MoE GEMM (`ops.moe_wna16_marlin_gemm`), over the bench's routings."""
+    import vllm._custom_ops as ops
+    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+    from vllm.scalar_type import scalar_types
+
+    e, n, k, topk = shape.groups, shape.n, shape.k, shape.topk
+    try:
+        mw = list(marlin_moe_weights(e, n, k))  # weight, scales, global scales
+    except Exception as ex:  # noqa: BLE001
+        _set(rows_by_m, ms, "marlin_error", _err(ex))
+        return
+    for m in ms:
+        if not budget.fits(f"Marlin {shape.name} M={m}"):
+            return
+        r = rows_by_m[m]
+        try:
+            n_routings = len(_routings(shape, m))
+            ids = [routing(m, e, topk, seed=i).to("cuda", torch.int32) for i in range(n_routings)]
+            bs = marlin_moe_block_size(m, topk, e)
+            aligned = [moe_align_block_size(i, bs, e, ignore_invalid_experts=True) for i in ids]
+            size_m, top_k = (m, topk) if shape.gate_up else (m * topk, 1)
+            x = torch.randn(size_m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m * topk, n, device="cuda", dtype=torch.bfloat16)
+            tw = torch.rand(m, topk, device="cuda")
+            fns = [
+                lambda a=a: ops.moe_wna16_marlin_gemm(
+                    x,
+                    out,
+                    mw[0],
+                    None,
+                    mw[1],
+                    None,
+                    mw[2],
+                    None,
+                    None,
+                    None,
+                    mws,
+                    *a,
+                    tw,
+                    moe_block_size=bs,
+                    top_k=top_k,
+                    mul_topk_weights=False,
+                    b_q_type=scalar_types.float4_e2m1f,
+                    size_m=size_m,
+                    size_n=n,
+                    size_k=k,
+                    is_k_full=True,
+                    use_atomic_add=False,
+                    use_fp32_reduce=True,
+                    is_zp_float=False,
+                )
+                for a in aligned
+            ]
+            flops = 2.0 * m * topk * n * k
+            r["marlin_us"] = round(budget.measure(lambda: _graph_time_us(fns, _reps(flops))), 2)
+        except Exception as ex:  # noqa: BLE001
+            r["marlin_error"] = _err(ex)
+        print(f"  marlin   {shape.name:20s} M={m:6d} us={r['marlin_us']} {r['marlin_error'] or ''}")
+    mw.clear()
+    torch.cuda.empty_cache()
+
+
 def bench_marlin(
     shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget, marlin
 ) -> None:
-    """vLLM Marlin NVFP4 W4A16 (apply_fp4_marlin_linear), dense shapes only."""
-    if shape.kind != "dense":
-        _set(rows_by_m, ms, "marlin_error", "n/a: Marlin column covers dense linears only")
+    """vLLM Marlin NVFP4 W4A16: apply_fp4_marlin_linear (dense), the MoE GEMM (routed experts,
+    `bench_marlin_moe`); wo_a has no Marlin form in vLLM."""
+    if shape.kind == "grouped":
+        _set(rows_by_m, ms, "marlin_error", "n/a: no Marlin grouped (wo_a) GEMM in vLLM")
         return
     if marlin[0] is None:
         _set(rows_by_m, ms, "marlin_error", f"n/a: {marlin[1]}")
         return
     apply, rand_like, mws = marlin[0]
+    if shape.kind == "moe":
+        bench_marlin_moe(shape, ms, rows_by_m, budget, mws)
+        return
     n, k = shape.n, shape.k
     try:
         mq = []
@@ -865,7 +983,8 @@ def _cell(r: dict, key: str, fmt: str) -> str:
         errs = [
             f"{w}: {r[f'{w}_error']}"
             for w in ("ours", "cublas", "marlin", "deepgemm", "copy")
-            if r.get(f"{w}_error") and not str(r[f"{w}_error"]).startswith("n/a: Marlin column")
+            if r.get(f"{w}_error")
+            and not str(r[f"{w}_error"]).startswith(("n/a: Marlin column", "n/a: no Marlin"))
         ]
         return "; ".join(errs).replace("|", "/")
     v = r.get(key)
