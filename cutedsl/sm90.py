@@ -46,7 +46,7 @@ import torch
 _BK = 64
 # Token tiles the GPU tests cover (tests/test_gemm_sm90.py); others are refused before compiling
 # (H200 2026-12-02, the first kernel: tile_m 8 gave wrong results, 24 aborted in cute.compile).
-TILE_M_VERIFIED = (16, 32, 64, 128, 256)
+TILE_M_VERIFIED = (16, 32, 64, 128, 192, 256)
 MAX_SPLIT_K = 8  # split-K CTAs form one thread-block cluster (kernels/gemm_sm90.py)
 _NUM_SMS_H200 = 132
 
@@ -306,12 +306,14 @@ def choose_tactic(
       one wave (num_sms CTAs);
     split-K never drops a split under 8 K tiles (`_split_k`).
     MoE (rows per expert unknown on the host, m = the launch's sizing): tile 16/32/64/128 covering
-    m, else 256; 128 weight rows from tile 64 up and at tile 16 (H200 2026-12-03 sweep, routed
-    w13 / w2 at M = 16, 64, 256: 2-3 % faster than 64), 64 at tile 32; never split.
+    m, else 192 (H200 2026-12-04, bench/results/h200_2026-12-04/sweep_moe192.json: routed w13 / w2
+    at M = 4096 1.18x / 1.17x, at M = 16384 1.03x / 1.01x faster than 256); 128 weight rows from
+    tile 64 up and at tile 16 (H200 2026-12-03 sweep, routed w13 / w2 at M = 16, 64, 256: 2-3 %
+    faster than 64), 64 at tile 32; never split.
     """
     kt = k // _BK
     if moe:
-        tile_m = next((t for t in (16, 32, 64, 128) if m <= t), 256)
+        tile_m = next((t for t in (16, 32, 64, 128) if m <= t), 192)
         tile_n = 64 if tile_m == 32 or n % 128 else 128
         return tile_n, tile_m, 1
     if num_sms == _NUM_SMS_H200:

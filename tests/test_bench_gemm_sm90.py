@@ -423,6 +423,40 @@ def test_merge_fills_missing_fields_and_rows(tmp_path):
     assert MG.main([str(pa), str(pb)]) == 2
 
 
+def test_merge_rerun_replaces_measured_fields(tmp_path):
+    """merge_gemm --rerun: a re-run's measured fields replace the full run's in its rows (its
+    error cleared, ratios recomputed), its new rows are appended, and the full run keeps the
+    header and the row order."""
+    from cutedsl.bench import merge_gemm as MG
+
+    full = _synthetic_rows()
+    full[3] = dict(full[3], us=None, ours_error="error: old failure")
+    extra = B.finalize_row(dict(B.new_row("flash", B.SHAPES["flash"][1], 64), us=2.0), 4000.0)
+    rerun = [dict(full[3], us=7.0, ours_error=None), dict(full[0], us=3.0, copy_us=None), extra]
+    meta = dict(command="x", date="d", device="H200", header=["full header"], copy_bw_GBps=4000.0)
+    pf, pr = tmp_path / "full.json", tmp_path / "rerun.json"
+    pf.write_text(json.dumps(dict(meta, rows=full)))
+    pr.write_text(json.dumps(dict(meta, command="y", header=["rerun header"], rows=rerun)))
+    out, md = tmp_path / "m.json", tmp_path / "m.md"
+    assert MG.main([str(pf), "--rerun", str(pr), "--json", str(out), "--md", str(md)]) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    keys = [(r["shape"], r["M"]) for r in full] + [(extra["shape"], 64)]
+    assert [(r["shape"], r["M"]) for r in rows] == keys
+    assert (rows[0]["us"], rows[3]["us"], rows[1]["us"]) == (3.0, 7.0, full[1]["us"])
+    assert rows[0]["copy_us"] == full[0]["copy_us"]  # not re-measured: kept
+    assert rows[3]["ours_error"] is None
+    assert rows[0]["x_cublas"] == round(full[0]["cublas_us"] / 3.0, 2)  # recomputed
+    assert rows[0]["merged_from"][0] == "full.json" and "re-run" in rows[0]["merged_from"][1]
+    assert rows[1]["merged_from"] == ["full.json"] and rows[-1]["merged_from"] == [
+        "rerun.json (re-run)"
+    ]
+    assert doc["header"][0] == "full header" and "--rerun rerun.json" in doc["command"]
+    assert "re-run" in md.read_text()
+    pr.write_text(json.dumps(dict(meta, device="H100", rows=rerun)))
+    assert MG.main([str(pf), "--rerun", str(pr)]) == 2
+
+
 def test_ab_loads_a_kernel_module_copy(tmp_path):
     """bench.ab.load_compile_kernel: a copy of the kernel module (as `git show REV:...` writes it)
     loads as its own module and gives its cached compile_kernel; a non-module path is refused."""

@@ -217,7 +217,7 @@ def test_choose_tactic_takes_the_measured_table() -> None:
             assert gemm_sm90.Sm90Nvfp4W4A16GemmKernel.can_implement(n, k, tn, sk)
             assert tm in S.TILE_M_VERIFIED
             prev = m_max
-    assert S.choose_tactic(4096, 1536, 4096, 1) == (128, 256, 2)  # measured
+    assert S.choose_tactic(4096, 1536, 4096, 1) == (128, 192, 1)  # measured (2026-12-04)
     assert S.choose_tactic(4097, 1536, 4096, 1) == (128, 256, 1)  # beyond the table: the rule
     assert S.choose_tactic(128, 1024, 4096, 8) == (64, 128, 2)  # measured (the rule: 128x64x1)
     assert S.choose_tactic(128, 1024, 4096, 8, num_sms=114) == (128, 64, 1)  # another GPU: rule
@@ -393,6 +393,9 @@ TACTICS = [
     (128, 64, 4),
     (64, 256, 8),
     (128, 256, 2),
+    (128, 192, 1),  # 192 tokens: two full waves of 128x192 tiles on fused_wqa_wkv at M = 4096
+    (128, 192, 2),
+    (64, 192, 4),
 ]
 
 
@@ -460,6 +463,8 @@ STAGED = [
     (128, 32, 2),
     (64, 256, 8),
     (128, 64, 4),
+    (128, 192, 1),
+    (128, 192, 2),
 ]
 
 
@@ -582,7 +587,7 @@ def test_moe_offsets(counts: list[int]) -> None:
 
 
 MOE_TACTICS = [(128, 16, 1), (64, 32, 1), (128, 64, 1), (128, 128, 1), (128, 256, 1),
-               (64, 16, 1), (128, 32, 1)]  # fmt: skip
+               (64, 16, 1), (128, 32, 1), (128, 192, 1)]  # fmt: skip
 
 
 @pytest.mark.sm90

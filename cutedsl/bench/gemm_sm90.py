@@ -691,12 +691,18 @@ def marlin_moe_block_size(m: int, topk: int, e: int) -> int:
 
 
 def bench_marlin_moe(
-    shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget, mws: torch.Tensor
+    shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget
 ) -> None:
     """vLLM Marlin NVFP4 MoE GEMM (`ops.moe_wna16_marlin_gemm`), over the bench's routings."""
     import vllm._custom_ops as ops
     from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+        marlin_make_workspace_new,
+    )
     from vllm.scalar_type import scalar_types
+
+    # fused_marlin_moe's workspace: 4 thread blocks per SM (the dense GEMM's has 1)
+    mws = marlin_make_workspace_new(torch.device("cuda"), 4)
 
     e, n, k, topk = shape.groups, shape.n, shape.k, shape.topk
     try:
@@ -768,7 +774,7 @@ def bench_marlin(
         return
     apply, rand_like, mws = marlin[0]
     if shape.kind == "moe":
-        bench_marlin_moe(shape, ms, rows_by_m, budget, mws)
+        bench_marlin_moe(shape, ms, rows_by_m, budget)
         return
     n, k = shape.n, shape.k
     try:

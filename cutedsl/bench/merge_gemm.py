@@ -9,6 +9,10 @@ and rows only later files have are appended. Derived columns (TF/s, GB/s, ratios
 recomputed, with the first file's copy bandwidth. Each row lists in `merged_from` the files whose
 fields it holds, and the header names every input, so mixed-run rows stay visible. Files from
 different devices are refused.
+
+`--rerun FILE` (repeatable) is a re-run of some rows, e.g. after a change that affects only them:
+every field it measured replaces the inputs' (an error of that implementation is cleared), its
+other rows are appended, and the header and the row order still come from the first input.
 """
 
 from __future__ import annotations
@@ -27,13 +31,22 @@ MEASURED = (
 ).split()
 
 
-def merge(docs: list[tuple[str, dict]]) -> tuple[dict, list[dict]]:
-    """(name, bench JSON) pairs -> (meta, rows) of the merged table (see the module docstring)."""
+# a re-measured time clears that implementation's error
+_ERROR_OF = {"us": "ours_error", "cublas_us": "cublas_error", "marlin_us": "marlin_error",
+             "deepgemm_us": "deepgemm_error", "copy_us": "copy_error"}  # fmt: skip
+
+
+def merge(
+    docs: list[tuple[str, dict]], reruns: list[tuple[str, dict]] | None = None
+) -> tuple[dict, list[dict]]:
+    """(name, bench JSON) pairs -> (meta, rows) of the merged table (see the module docstring);
+    `reruns`: (name, bench JSON) pairs whose measured fields replace the inputs'."""
     if not docs:
         raise ValueError("nothing to merge")
-    devices = {d.get("device") for _, d in docs}
+    reruns = reruns or []
+    devices = {d.get("device") for _, d in docs + reruns}
     if len(devices) != 1:
-        names = ", ".join(f"{n} ({d.get('device')})" for n, d in docs)
+        names = ", ".join(f"{n} ({d.get('device')})" for n, d in docs + reruns)
         raise ValueError(f"results from different devices: {names}")
     first_name, first = docs[0]
     rows: dict[tuple[str, int], dict] = {}
@@ -51,17 +64,38 @@ def merge(docs: list[tuple[str, dict]]) -> tuple[dict, list[dict]]:
                 row[k] = src[k]
             if took:
                 row["merged_from"].append(f"{name}: {', '.join(took)}")
+    for name, doc in reruns:
+        for src in doc["rows"]:
+            key = (src["shape"], src["M"])
+            if key not in rows:
+                rows[key] = dict(src, merged_from=[f"{name} (re-run)"])
+                continue
+            row = rows[key]
+            took = [k for k in MEASURED if src.get(k) is not None]
+            for k in took:
+                row[k] = src[k]
+                if k in _ERROR_OF:
+                    row[_ERROR_OF[k]] = None
+            if took:
+                row["merged_from"].append(f"{name} (re-run, replaces): {', '.join(took)}")
     copy_bw = first.get("copy_bw_GBps")
     merged = [finalize_row(r, copy_bw) for r in rows.values()]
     inputs = [f"{n} ({d.get('date')}: `{d.get('command')}`)" for n, d in docs]
     meta = {k: v for k, v in first.items() if k not in ("rows", "summary")}
-    meta["command"] = "python -m cutedsl.bench.merge_gemm " + " ".join(n for n, _ in docs)
-    meta["merged"] = inputs
+    redone = [f"{n} ({d.get('date')}: `{d.get('command')}`)" for n, d in reruns]
+    meta["command"] = "python -m cutedsl.bench.merge_gemm " + " ".join(
+        [n for n, _ in docs] + [f"--rerun {n}" for n, _ in reruns]
+    )
+    meta["merged"] = inputs + [f"re-run: {r}" for r in redone]
     meta["header"] = list(first.get("header", [])) + [
         "merged: " + "; ".join(inputs) + f"; % copy BW with {first_name}'s {copy_bw} GB/s"
     ]
+    if redone:
+        meta["header"].append(
+            "re-run (its measured fields replace the inputs' in its rows): " + "; ".join(redone)
+        )
     meta["stopped_early"] = "; ".join(
-        f"{n}: {d['stopped_early']}" for n, d in docs if d.get("stopped_early")
+        f"{n}: {d['stopped_early']}" for n, d in docs + reruns if d.get("stopped_early")
     )
     return meta, merged
 
@@ -71,16 +105,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("inputs", nargs="+", help="gemm_sm90 --json files; the first one leads")
     p.add_argument("--json", default="")
     p.add_argument("--md", default="")
+    p.add_argument(
+        "--rerun", action="append", default=[], metavar="FILE",
+        help="a re-run of some rows: its measured fields replace the inputs' (repeatable)",
+    )  # fmt: skip
     args = p.parse_args(argv)
-    docs = []
-    for path in args.inputs:
+    docs, reruns = [], []
+    for path, into in [(p_, docs) for p_ in args.inputs] + [(p_, reruns) for p_ in args.rerun]:
         try:
-            docs.append((Path(path).name, json.loads(Path(path).read_text())))
+            into.append((Path(path).name, json.loads(Path(path).read_text())))
         except (OSError, json.JSONDecodeError) as e:
             print(f"merge_gemm: cannot read {path}: {e}", file=sys.stderr)
             return 2
     try:
-        meta, rows = merge(docs)
+        meta, rows = merge(docs, reruns)
     except ValueError as e:
         print(f"merge_gemm: {e}", file=sys.stderr)
         return 2

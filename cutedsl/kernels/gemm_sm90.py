@@ -853,6 +853,8 @@ def check_targets() -> list[KernelTarget]:
          (*staged, r"shfl\.sync\.up\.b32")),
         ("sm90.w4a16_gemm.moe_offs.n128m16", 128, 16, 1, True,
          (*staged, r"shfl\.sync\.up\.b32")),
+        ("sm90.w4a16_gemm.moe_offs.n128m192", 128, 192, 1, True,  # the MoE prefill tile
+         (*staged, r"shfl\.sync\.up\.b32")),
     ]  # fmt: skip
     return [
         KernelTarget(
