@@ -432,7 +432,12 @@ def test_merge_rerun_replaces_measured_fields(tmp_path):
     full = _synthetic_rows()
     full[3] = dict(full[3], us=None, ours_error="error: old failure")
     extra = B.finalize_row(dict(B.new_row("flash", B.SHAPES["flash"][1], 64), us=2.0), 4000.0)
-    rerun = [dict(full[3], us=7.0, ours_error=None), dict(full[0], us=3.0, copy_us=None), extra]
+    rerun = [
+        dict(full[3], us=7.0, ours_error=None),
+        dict(full[0], us=3.0, tactic=[128, 192, 1], copy_us=None),
+        dict(full[1], us=None, ours_error="error: new failure", tactic=[64, 16, 1]),
+        extra,
+    ]
     meta = dict(command="x", date="d", device="H200", header=["full header"], copy_bw_GBps=4000.0)
     pf, pr = tmp_path / "full.json", tmp_path / "rerun.json"
     pf.write_text(json.dumps(dict(meta, rows=full)))
@@ -443,12 +448,16 @@ def test_merge_rerun_replaces_measured_fields(tmp_path):
     rows = doc["rows"]
     keys = [(r["shape"], r["M"]) for r in full] + [(extra["shape"], 64)]
     assert [(r["shape"], r["M"]) for r in rows] == keys
-    assert (rows[0]["us"], rows[3]["us"], rows[1]["us"]) == (3.0, 7.0, full[1]["us"])
+    assert (rows[0]["us"], rows[3]["us"], rows[2]["us"]) == (3.0, 7.0, full[2]["us"])
     assert rows[0]["copy_us"] == full[0]["copy_us"]  # not re-measured: kept
+    assert rows[0]["tactic"] == [128, 192, 1] and rows[0]["cublas_us"] == full[0]["cublas_us"]
     assert rows[3]["ours_error"] is None
+    # a re-run that failed replaces the old time: no stale time beside the new error and tactic
+    assert rows[1]["us"] is None and rows[1]["ours_error"] == "error: new failure"
+    assert rows[1]["tactic"] == [64, 16, 1] and rows[1]["x_cublas"] is None
     assert rows[0]["x_cublas"] == round(full[0]["cublas_us"] / 3.0, 2)  # recomputed
     assert rows[0]["merged_from"][0] == "full.json" and "re-run" in rows[0]["merged_from"][1]
-    assert rows[1]["merged_from"] == ["full.json"] and rows[-1]["merged_from"] == [
+    assert rows[2]["merged_from"] == ["full.json"] and rows[-1]["merged_from"] == [
         "rerun.json (re-run)"
     ]
     assert doc["header"][0] == "full header" and "--rerun rerun.json" in doc["command"]

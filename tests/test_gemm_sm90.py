@@ -97,6 +97,7 @@ def test_staged_epilogue_limits(tile_m: int, split_k: int, moe: bool) -> None:
 STAGES = {
     (64, 16): 8, (64, 32): 8, (64, 64): 8, (64, 128): 6, (64, 256): 6,
     (128, 16): 8, (128, 32): 8, (128, 64): 8, (128, 128): 5, (128, 256): 6,
+    (64, 192): 4, (128, 192): 7,
 }  # fmt: skip
 SM_SMEM = 233472  # sm_90: 228 KiB of shared memory per SM, 1 KiB of it reserved per CTA
 
@@ -169,6 +170,11 @@ def test_choose_tactic_rule_decode_splits_k_and_prefill_takes_big_tiles() -> Non
     assert S.launch_tactic(64 * 6, 4096, 4096, 256, moe=True) == (128, 16, 1)  # the 12-03 sweep
     assert S.launch_tactic(6, 4096, 4096, 256, moe=True) == (64, 16, 1)  # 192 CTAs of 128 rows
     assert S.launch_tactic(24, 4096, 4096, 256, moe=True) == (128, 16, 1)
+    # MoE prefill: 192-token tiles above 128 (H200 2026-12-04 sweep: 1.17-1.18x over 256)
+    assert S.launch_tactic(4096 * 6, 4096, 4096, 256, moe=True) == (128, 192, 1)
+    assert S.launch_tactic(16384 * 6, 4096, 2048, 256, moe=True) == (128, 192, 1)
+    assert S.launch_tactic(1024 * 6, 4096, 4096, 256, moe=True) == (128, 64, 1)
+    assert S.launch_tactic(4096, 4096, 4096, 8, moe=True) == (64, 192, 1)  # few experts: 64 rows
 
 
 def test_moe_tile_bound_covers_every_routing() -> None:
@@ -587,7 +593,7 @@ def test_moe_offsets(counts: list[int]) -> None:
 
 
 MOE_TACTICS = [(128, 16, 1), (64, 32, 1), (128, 64, 1), (128, 128, 1), (128, 256, 1),
-               (64, 16, 1), (128, 32, 1), (128, 192, 1)]  # fmt: skip
+               (64, 16, 1), (128, 32, 1), (128, 192, 1), (64, 192, 1)]  # fmt: skip
 
 
 @pytest.mark.sm90

@@ -34,8 +34,9 @@ Columns:
   2026-12-03, ninth session): one `ops.moe_wna16_marlin_gemm` call as vLLM's `fused_marlin_moe`
   makes it (its block_size_m rule, fp32 reduce, no atomics), on weights and scales repacked per
   expert as `prepare_nvfp4_moe_layer_for_marlin` does; L1 reads the M token rows through top_k,
-  L2 the M*topk rows with top_k 1, no routing-weight multiply. `moe_align_block_size` (once per
-  batch in vLLM, shared by L1 and L2) is outside the timed graph, as our offsets are. wo_a: n/a.
+  L2 the M*topk rows with top_k 1, without the routing-weight multiply vLLM's L2 does (ours is
+  timed without it too). `moe_align_block_size` (once per batch in vLLM, shared by L1 and L2) is
+  outside the timed graph, as our offsets are. wo_a: n/a.
 - copy (M <= 32): `bench_copy`, the same-bytes copy above.
 - DeepGEMM: vLLM 0.21.0's bundled DeepGEMM (vllm.third_party.deep_gemm, through the wrappers in
   vllm.utils.deep_gemm, as vLLM calls them) on FP8 e4m3 block weights (128x128 blocks, fp32
@@ -701,11 +702,10 @@ def bench_marlin_moe(
     )
     from vllm.scalar_type import scalar_types
 
-    # fused_marlin_moe's workspace: 4 thread blocks per SM (the dense GEMM's has 1)
-    mws = marlin_make_workspace_new(torch.device("cuda"), 4)
-
     e, n, k, topk = shape.groups, shape.n, shape.k, shape.topk
     try:
+        # fused_marlin_moe's workspace: 4 thread blocks per SM (the dense GEMM's has 1)
+        mws = marlin_make_workspace_new(torch.device("cuda"), 4)
         mw = list(marlin_moe_weights(e, n, k))  # weight, scales, global scales
     except Exception as ex:  # noqa: BLE001
         _set(rows_by_m, ms, "marlin_error", _err(ex))

@@ -11,8 +11,9 @@ fields it holds, and the header names every input, so mixed-run rows stay visibl
 different devices are refused.
 
 `--rerun FILE` (repeatable) is a re-run of some rows, e.g. after a change that affects only them:
-every field it measured replaces the inputs' (an error of that implementation is cleared), its
-other rows are appended, and the header and the row order still come from the first input.
+for every implementation it timed or saw fail, its fields (time, error, tactic, ...) replace the
+inputs' as a whole; its other rows are appended; the header and the row order still come from the
+first input.
 """
 
 from __future__ import annotations
@@ -31,9 +32,15 @@ MEASURED = (
 ).split()
 
 
-# a re-measured time clears that implementation's error
-_ERROR_OF = {"us": "ours_error", "cublas_us": "cublas_error", "marlin_us": "marlin_error",
-             "deepgemm_us": "deepgemm_error", "copy_us": "copy_error"}  # fmt: skip
+# Each implementation's fields, (time, error, others): a re-run that has the time or the error
+# of one replaces all of them, so a time never stands beside another run's error or tactic.
+_IMPL_FIELDS = (
+    ("us", "ours_error", "tactic", "sweep_us", "best_tactic", "best_us"),
+    ("cublas_us", "cublas_error", "cublas_impl"),
+    ("marlin_us", "marlin_error"),
+    ("deepgemm_us", "deepgemm_error", "deepgemm_quant_us", "deepgemm_rows"),
+    ("copy_us", "copy_error"),
+)
 
 
 def merge(
@@ -71,11 +78,13 @@ def merge(
                 rows[key] = dict(src, merged_from=[f"{name} (re-run)"])
                 continue
             row = rows[key]
-            took = [k for k in MEASURED if src.get(k) is not None]
-            for k in took:
-                row[k] = src[k]
-                if k in _ERROR_OF:
-                    row[_ERROR_OF[k]] = None
+            took = []
+            for fields in _IMPL_FIELDS:
+                if src.get(fields[0]) is not None or src.get(fields[1]) is not None:
+                    row.update({k: src.get(k) for k in fields})
+                    took += [k for k in fields if src.get(k) is not None]
+            if src.get("active_experts") is not None:  # the routing's, same in every run
+                row["active_experts"] = src["active_experts"]
             if took:
                 row["merged_from"].append(f"{name} (re-run, replaces): {', '.join(took)}")
     copy_bw = first.get("copy_bw_GBps")
