@@ -25,15 +25,9 @@ from pathlib import Path
 
 from cutedsl.bench.gemm_sm90 import finalize_row, summarize, write_outputs
 
-MEASURED = (
-    "tactic active_experts us copy_us cublas_us cublas_impl marlin_us deepgemm_us "
-    "deepgemm_quant_us deepgemm_rows ours_error cublas_error marlin_error deepgemm_error "
-    "copy_error sweep_us best_tactic best_us"
-).split()
-
-
-# Each implementation's fields, (time, error, others): a re-run that has the time or the error
-# of one replaces all of them, so a time never stands beside another run's error or tactic.
+# The measured fields of a row, per implementation: (time, error, others). A re-run that has the
+# time or the error of one replaces all of them, so a time never stands beside another run's
+# error or tactic. Everything else in a row is derived (`finalize_row`) or names the row.
 _IMPL_FIELDS = (
     ("us", "ours_error", "tactic", "sweep_us", "best_tactic", "best_us"),
     ("cublas_us", "cublas_error", "cublas_impl"),
@@ -41,6 +35,7 @@ _IMPL_FIELDS = (
     ("deepgemm_us", "deepgemm_error", "deepgemm_quant_us", "deepgemm_rows"),
     ("copy_us", "copy_error"),
 )
+MEASURED = ("active_experts", *(k for fields in _IMPL_FIELDS for k in fields))
 
 
 def merge(
