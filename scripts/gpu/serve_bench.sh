@@ -1,36 +1,43 @@
 #!/usr/bin/env bash
-# On the H200, issue 9, as two device calls of under 580 s each, back to back (the machine goes
-# back 30 s after a call; the servers started by call 1 outlive it: setsid):
-#   call 1: bash scripts/h200/serve_bench.sh 1
+# Serving benchmark of ours vs upstream vLLM on the flash-layers checkpoints (DSv4-Flash layer
+# sizes, 2 layers), in two phases run back to back (`all`, the default, runs both):
+#   bash scripts/gpu/serve_bench.sh 1
 #     generate the flash-layers checkpoints if missing, start our server (port 8001, full NVFP4,
 #     our overlay; env.sh's start_flash), wait for it, OpenAI client checks on it
 #     (bench/openai_smoke.py: completions and chat, streamed and not), then the soak (bench/soak.py:
 #     64 clients, SOAK_S = 300 s, mixed lengths, greedy cold/cached/after check, its GPU memory)
 #     ALONE on the GPU; only then start upstream (port 8002, pristine vLLM 0.21.0 on the native
-#     FP8/MXFP4 checkpoint of the same seed, the same flags). (2026-12-03: a soak that overlapped
-#     upstream's 8.75-minute start had client time-outs and a TTFT p99 of 62 s.) When our server is
-#     not ready in time for a full soak, the call says so and exits 1: run it again (the server
-#     keeps starting; a finished soak is not repeated).
-#   call 2: bash scripts/h200/serve_bench.sh 2
+#     FP8/MXFP4 checkpoint of the same seed, the same flags). (H200, 2026-12-03: a soak that
+#     overlapped upstream's 8.75-minute start had client time-outs and a TTFT p99 of 62 s.) When
+#     our server is not ready in time for a full soak, phase 1 says so and exits 1: run it again
+#     (the server keeps starting; a finished soak is not repeated).
+#   bash scripts/gpu/serve_bench.sh 2
 #     the benchmark points not yet ok (`vllm bench serve` through bench/serve_bench.py, ours then
 #     upstream per point), keeping RESERVE_S for the GPU profiles of both servers
 #     (bench/profile_server.py: decode at batch PROFILE_CONC, per-kernel and per-category time per
-#     decode step), their comparison and the plots (bench/plot_serve.py); then stops the servers.
-# Results accumulate in $STATE (/tmp/serve_bench_state) across the calls; each call bundles what
-# exists into $OUT/serve_bench_<phase>.tgz (raw traces: $OUT/traces.tgz when small enough) and
-# logs one line per step in $OUT/summary.txt. Every step is time-boxed against BUDGET (wall
-# seconds for this call, default 570).
+#     decode step), their comparison and the plots (bench/plot_serve.py); then stops the servers
+#     (STOP_SERVERS=0 keeps them).
+# The servers run in their own process groups and outlive each phase. Results accumulate in
+# $STATE ($RUN_DIR/serve_bench_state) across the phases; each phase copies them and the server
+# logs into $OUT (serve_bench.md/.png/_table.json, serve_*.json, profile_*, soak.json,
+# openai_smoke.json), the raw profiler traces into $OUT/traces.tgz, and logs one line per step in
+# $OUT/summary.txt. Every step is time-boxed against BUDGET (wall seconds per phase, default 570).
+# Upstream needs the vLLM of $PYTHON pristine: see scripts/gpu/env.sh.
 set -u
-PHASE=${1:-}
-[ "$PHASE" = 1 ] || [ "$PHASE" = 2 ] || { echo "usage: $0 1|2" >&2; exit 2; }
+PHASE=${1:-all}
+if [ "$PHASE" = all ]; then  # phase 1 exits 1 while our server is still starting: retry it
+    for _ in 1 2 3; do bash "$0" 1 && exec bash "$0" 2; done
+    exit 1
+fi
+[ "$PHASE" = 1 ] || [ "$PHASE" = 2 ] || { echo "usage: $0 [1|2|all]" >&2; exit 2; }
 . "$(dirname "$0")/env.sh"
 BUDGET=${BUDGET:-570}
-STATE=${STATE:-/tmp/serve_bench_state}
+STATE=${STATE:-$RUN_DIR/serve_bench_state}
 SOAK_S=${SOAK_S:-300}
 # Decode-heavy points first (the budget may not reach the last ones); the tables sort them.
 POINTS=${POINTS:-1024x1024:64 1024x1024:8 8192x1024:64 8192x1024:8 1024x1024:1 8192x1024:1}
 PPC=${PPC:-1}                    # prompts per unit of concurrency: one wave per point
-RESERVE_S=${RESERVE_S:-180}      # call 2: kept for the profiles, the plots and the bundle
+RESERVE_S=${RESERVE_S:-180}      # phase 2: kept for the profiles, the plots and the copy
 PROFILE_CONC=${PROFILE_CONC:-64}
 PROFILE_S=${PROFILE_S:-3}
 mkdir -p "$STATE"
@@ -49,7 +56,7 @@ estimate() {  # estimate SHAPE CONC: seconds one point takes with PPC 1 (the CLI
 }
 
 point_ok() {  # point_ok RESULT.json SHAPE CONC: 0 when that point has an ok run there
-    python3 -c '
+    "$PYTHON" -c '
 import json, sys
 try:
     runs = json.load(open(sys.argv[1]))["runs"]
@@ -60,7 +67,7 @@ sys.exit(0 if any(r.get("requested_shape") == sys.argv[2] and r.get("concurrency
 }
 
 soak_ok() {  # 0 when $STATE/soak.json holds a finished soak of at least SOAK_S seconds
-    python3 -c '
+    "$PYTHON" -c '
 import json, sys
 try:
     d = json.load(open(sys.argv[1]))
@@ -83,8 +90,8 @@ run_points() {  # run_points RESERVE: the points not yet ok, ours then upstream,
                 need=$((2 * est))
             fi
             if [ $t -lt $need ]; then note "bench $label $point: not started ($t s left < $need s)"; continue; fi
-            step "bench_${label}_${shape}_c$c" $((t + 20)) python3 "$REPO/bench/serve_bench.py" \
-                --base-url "http://127.0.0.1:$port" --model flash --tokenizer /tmp/ckpt/flash-nvfp4 \
+            step "bench_${label}_${shape}_c$c" $((t + 20)) "$PYTHON" "$REPO/bench/serve_bench.py" \
+                --base-url "http://127.0.0.1:$port" --model flash --tokenizer "$(flash_ckpt ours)" \
                 --label "$label" --shapes "$shape" --concurrency "$c" --prompts-per-concurrency "$PPC" \
                 --num-warmups 0 --warmup-requests 8 --time-budget "$t" --resume \
                 --log-dir "$STATE/logs_$label" --out "$STATE/serve_$label.json"
@@ -93,31 +100,26 @@ run_points() {  # run_points RESERVE: the points not yet ok, ours then upstream,
     done
 }
 
-finish() {  # copy the state and the server logs into $R, bundle
+finish() {  # copy the state and the server logs into $R
     cp -r "$STATE"/. "$R"/ 2>/dev/null
-    cp /tmp/serve_flash_*.log "$R"/ 2>/dev/null
-    ls -la /tmp/prof_flash_* >"$R/trace_files.txt" 2>&1
-    bundle "serve_bench_$PHASE"
+    cp "$RUN_DIR"/serve_flash_*.log "$R"/ 2>/dev/null
+    ls -la "$RUN_DIR"/prof_flash_* >"$R/trace_files.txt" 2>&1
 }
 
 device_info
 make_ours >"$R/make_ours.log" 2>&1 || { cat "$R/make_ours.log"; finish; exit 1; }
 
 if [ "$PHASE" = 1 ]; then
-    for f in nvfp4 native; do  # the flash-layers checkpoints (also made by e2e.sh)
-        [ -f "/tmp/ckpt/flash-$f/config.json" ] && continue
-        step "gen_flash_$f" 120 python3 -m cutedsl.tools.tiny_model "/tmp/ckpt/flash-$f" \
-            --preset flash-layers --format "$f" --device cuda --force \
-            || { note "gen_flash_$f failed"; finish; exit 1; }
-    done
+    # The flash-layers checkpoints (also made by e2e.sh).
+    gen_flash 120 || { note "gen_flash failed"; finish; exit 1; }
     start_flash ours
     if ! soak_ok; then
         if ! wait_flash ours $(( $(left) - SOAK_S - 40 )); then
             note "ours (8001) not healthy yet: run phase 1 again (the server keeps starting)"
-            tail -n 40 /tmp/serve_flash_ours.log; finish; exit 1
+            tail -n 40 "$RUN_DIR/serve_flash_ours.log"; finish; exit 1
         fi
         note "ours healthy; upstream: $(healthy 8002 && echo healthy || echo not started)"
-        step openai_smoke 60 python3 "$REPO/bench/openai_smoke.py" --url http://127.0.0.1:8001 \
+        step openai_smoke 60 "$PYTHON" "$REPO/bench/openai_smoke.py" --url http://127.0.0.1:8001 \
             --model flash --out "$STATE/openai_smoke.json"
         tail -n 3 "$R/openai_smoke.log" | tee -a "$OUT/summary.txt"
         if [ "$(left)" -lt $((SOAK_S + 45)) ]; then
@@ -125,12 +127,12 @@ if [ "$PHASE" = 1 ]; then
             finish; exit 1
         fi
         # Alone on the GPU: no other server compiling or capturing graphs meanwhile.
-        log_lines=$(wc -l </tmp/serve_flash_ours.log 2>/dev/null || echo 0)
-        step soak $((SOAK_S + 45)) python3 "$REPO/bench/soak.py" --url http://127.0.0.1:8001 \
+        log_lines=$(wc -l <"$RUN_DIR/serve_flash_ours.log" 2>/dev/null || echo 0)
+        step soak $((SOAK_S + 45)) "$PYTHON" "$REPO/bench/soak.py" --url http://127.0.0.1:8001 \
             --model flash --clients 64 --duration "$SOAK_S" --vocab 1000 --timeout 90 \
-            --drain-timeout 30 --server-pid "$(cat /tmp/serve_flash_ours.pid)" \
+            --drain-timeout 30 --server-pid "$(cat "$RUN_DIR/serve_flash_ours.pid")" \
             --prompt-tokens-details --out "$STATE/soak.json"
-        python3 - "$STATE/soak.json" /tmp/serve_flash_ours.log "$log_lines" <<'PY'
+        "$PYTHON" - "$STATE/soak.json" "$RUN_DIR/serve_flash_ours.log" "$log_lines" <<'PY'
 import json, sys
 try:
     d = json.load(open(sys.argv[1]))
@@ -169,7 +171,7 @@ for n in ours upstream; do
     t=$(( $(left) - 45 ))
     [ $t -gt 150 ] && t=150
     if ! healthy "$port" || [ $t -lt 40 ]; then note "profile $label: not run ($t s left)"; continue; fi
-    step "profile_$label" "$t" python3 "$REPO/bench/profile_server.py" run \
+    step "profile_$label" "$t" "$PYTHON" "$REPO/bench/profile_server.py" run \
         --base-url "http://127.0.0.1:$port" --model flash --trace-dir "$(flash_prof_dir $n)" \
         --label "$label" --concurrency "$PROFILE_CONC" --prompt-len 1024 --max-tokens 4096 \
         --profile-s "$PROFILE_S" --trace-timeout $((t - 30)) \
@@ -177,7 +179,7 @@ for n in ours upstream; do
     [ -f "$STATE/profile_$label.json" ] && profiles+=("$STATE/profile_$label.json")
 done
 if [ ${#profiles[@]} -ge 2 ]; then
-    step profile_compare 60 python3 "$REPO/bench/profile_server.py" compare "${profiles[@]}" \
+    step profile_compare 60 "$PYTHON" "$REPO/bench/profile_server.py" compare "${profiles[@]}" \
         --md "$STATE/profile_compare.md" --json "$STATE/profile_compare.json"
     cat "$STATE/profile_compare.md"
 fi
@@ -187,19 +189,16 @@ for n in ours upstream; do
     [ -f "$f" ] && results+=("$f")
 done
 if [ ${#results[@]} -ge 1 ]; then
-    step plot 60 python3 "$REPO/bench/plot_serve.py" "${results[@]}" --md "$STATE/serve_bench.md" \
+    step plot 60 "$PYTHON" "$REPO/bench/plot_serve.py" "${results[@]}" --md "$STATE/serve_bench.md" \
         --json "$STATE/serve_bench_table.json"
-    step plot_png 60 python3 "$REPO/bench/plot_serve.py" "${results[@]}" --png "$STATE/serve_bench.png"
+    step plot_png 60 "$PYTHON" "$REPO/bench/plot_serve.py" "${results[@]}" --png "$STATE/serve_bench.png"
     cat "$STATE/serve_bench.md"
 fi
 if [ "${STOP_SERVERS:-1}" = 1 ]; then
     stop_flash ours upstream
     note "servers stopped"
 fi
-# Raw traces: their own archive, only when it stays under the 16 MiB a returned file may have.
-tar -C /tmp -czf "$OUT/traces.tgz" $(cd /tmp && ls -d prof_flash_* 2>/dev/null) 2>/dev/null
-if [ -f "$OUT/traces.tgz" ] && [ "$(stat -c %s "$OUT/traces.tgz")" -gt 15000000 ]; then
-    note "traces.tgz $(stat -c %s "$OUT/traces.tgz") bytes: too large to return, removed"
-    rm -f "$OUT/traces.tgz"
-fi
+# Raw profiler traces: their own archive.
+# shellcheck disable=SC2046
+tar -C "$RUN_DIR" -czf "$OUT/traces.tgz" $(cd "$RUN_DIR" && ls -d prof_flash_* 2>/dev/null) 2>/dev/null
 finish

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# vLLM vs the golden reference on the tiny checkpoints (~8 min on an H200), every engine at once on
+# the one GPU (fixed KV size, so they do not disturb each other's memory profiling):
+#   native       pristine vLLM 0.21.0 (the upstream baseline)      eager + CUDA graphs
+#   nvfp4        our overlay, sm90 backend                          eager + CUDA graphs
+#   nvidia-mixed our overlay (NVFP4 experts, FP8 rest)              eager + CUDA graphs
+# plus the SM90 runner/kernel GPU tests, and (for serve_bench.sh) the flash-layers checkpoints.
+# Results in $OUT: e2e_<format>.json (+ .pt logprob tensors), worker logs, gpu_tests.xml,
+# device.txt, summary.txt; `python bench/e2e_table.py $OUT/e2e_*.json` prints the table.
+#   bash scripts/gpu/e2e.sh [formats (default native,nvfp4,nvidia-mixed)] [modes (eager,graph)]
+# Environment: see scripts/gpu/env.sh (PYTHON, OUT, ...); LIMIT (500 s per step), GPU_TESTS=0,
+# FLASH_CKPTS=0 (skip those steps), START_FLASH=1 (leave our flash-layers server starting for
+# serve_bench.sh 1).
+set -u
+. "$(dirname "$0")/env.sh"
+formats=${1:-native,nvfp4,nvidia-mixed}
+modes=${2:-eager,graph}
+LIMIT=${LIMIT:-500}
+device_info
+make_ours >"$R/make_ours.log" 2>&1 || { cat "$R/make_ours.log"; exit 1; }
+pids=()
+for fmt in ${formats//,/ }; do
+    wrap=("${OURS[@]}"); [ "$fmt" = native ] && wrap=("${UPSTREAM[@]}")
+    step "e2e_$fmt" "$LIMIT" "${wrap[@]}" "$PYTHON" "$REPO/bench/upstream_baseline.py" --format "$fmt" \
+        --modes "$modes" --parallel --no-mhc-check --gpu-mem 0.06 --kv-bytes 2000000000 \
+        --timeout $((LIMIT - 60)) --out "$R/e2e_$fmt.json" &
+    pids+=($!)
+done
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+    step gpu_tests "$LIMIT" "${OURS[@]}" "$PYTHON" -m pytest -q -m "gpu or sm90" -p no:cacheprovider \
+        --junitxml="$R/gpu_tests.xml" "$REPO/tests/test_runners_gpu.py" "$REPO/tests/test_gemm_sm90.py" \
+        "$REPO/tests/test_sharding.py" "$REPO/tests/test_moe_routing.py" "$REPO/tests/test_swiglu_kernel.py" &
+    pids+=($!)
+fi
+if [ "${FLASH_CKPTS:-1}" = 1 ]; then
+    gen_flash 400 &
+    pids+=($!)
+fi
+wait "${pids[@]}"
+# START_FLASH=1: start our flash-layers server of serve_bench.sh now (it outlives this script), so
+# its compile and graph capture overlap whatever runs before serve_bench.sh 1. Not upstream's:
+# serve_bench.sh starts it after the soak, which must have the GPU to itself.
+if [ "${START_FLASH:-0}" = 1 ] && [ -f "$(flash_ckpt ours)/config.json" ]; then
+    start_flash ours
+fi
+for fmt in ${formats//,/ }; do grep -h "^\[baseline\]" "$R/e2e_$fmt.log" | sed "s/^/$fmt /"; done
+tail -n 3 "$R/gpu_tests.log" 2>/dev/null
+rm -f "$R"/*.json.*.pt  # per-worker tensors; e2e_<fmt>.pt holds every mode
