@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One markdown table from bench/upstream_baseline.py result JSONs (vLLM vs the golden reference).
 
-    python bench/e2e_table.py bench/results/e2e_*.json [--golden golden|golden_swa_yarn]
+    python bench/e2e_table.py bench/results/h200/e2e_*.json [--golden golden|golden_swa_yarn]
         [--min-cos 0.99]
 
 Rows: checkpoint format x mode x prompt. Columns: prefill cosine (min, mean) and greedy agreement,

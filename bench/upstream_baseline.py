@@ -1,27 +1,26 @@
 #!/usr/bin/env python3
-"""Upstream baseline: pristine vLLM 0.21.0 on the tiny native DSv4 checkpoint vs the golden reference.
+"""vLLM on a tiny DSv4 checkpoint vs the golden reference: pristine vLLM 0.21.0 on the native
+checkpoint (the upstream baseline), or, with `--format nvfp4|nvidia-mixed` and our overlay applied,
+our NVFP4 path end to end (the JSON records the sha256 of the deepseek_v4.py that ran).
 
-With `--format nvfp4|nvidia-mixed` and our overlay applied, the same comparison checks our NVFP4
-path end to end (the JSON records the sha256 of the deepseek_v4.py that ran).
+    python bench/upstream_baseline.py --out out/upstream_baseline.json \
+        [--format native|nvfp4|nvidia-mixed] [--ckpt DIR] [--hidden 2048] [--modes eager,graph]
+        [--decode 16] [--prompt-lens 17,300] [--hooks] [--no-mhc-check] [--timeout 420]
 
-    python bench/upstream_baseline.py --out bench/results/upstream_baseline_h200.json \
-        [--ckpt DIR] [--hidden 2048] [--modes eager,graph] [--decode 16] [--prompt-lens 17,300]
-        [--hooks] [--no-mhc-check] [--timeout 420]
-
-Steps (run on the GPU machine, vLLM staged as in research/vllm021_dsv4.md §5):
- 1. Generate the tiny native checkpoint (cutedsl.tools.tiny_model, preset tiny, `--hidden` H)
-    unless --ckpt is given.
- 2. mHC check (the decode-anomaly hypothesis, see below): call vLLM's
-    torch.ops.vllm.mhc_fused_post_pre directly for T in {1,2,4,7,8,16,17} tokens and
-    H in {1024, 2048, 4096} on random data, after poisoning the CUDA caching allocator with NaN,
-    and compare with a float64 torch reference of the same maths (mhc.py's ROCm branch).
+Needs a GPU and vLLM 0.21.0 (scripts/gpu/e2e.sh runs every format at once). Steps:
+ 1. Generate the tiny checkpoint (cutedsl.tools.tiny_model, preset tiny, `--hidden` H) unless
+    --ckpt is given.
+ 2. mHC check (see below): call vLLM's torch.ops.vllm.mhc_fused_post_pre directly for T in
+    {1,2,4,7,8,16,17} tokens and H in {1024, 2048, 4096} on random data, after poisoning the CUDA
+    caching allocator with NaN, and compare with a float64 torch reference of the same maths
+    (mhc.py's ROCm branch).
  3. For each mode (eager = enforce_eager; graph = torch.compile + CUDA graphs, capture sizes
     1,2,4,8), in a fresh subprocess: LLM(...).generate on random prompts of --prompt-lens tokens,
     greedy, 1 + --decode new tokens, full-vocabulary logprobs for every prompt position
     (prompt_logprobs) and every generated token. --hooks (eager only): forward pre-hooks record
     per layer and step the abs-max of the attention input (attn_norm input = mHC output), the MoE
     input (ffn_norm input = mhc_fused_post_pre's layer_input), the MoE output and the final norm.
- 4. Golden reference (cutedsl.golden, HF transformers 5.17.0, fp32, on the GPU) on prompt +
+ 4. Golden reference (cutedsl.tools.golden, HF transformers 5.17.0, fp32, on the GPU) on prompt +
     vLLM's generated tokens (teacher forcing): per position cosine of the centred log-prob
     vectors and greedy-token agreement, for prefill positions and each decode step; also against
     the golden with `swa_rope="vllm"` (vLLM 0.21.0 applies YaRN to sliding-window layers, HF and
@@ -29,18 +28,19 @@ Steps (run on the GPU machine, vLLM staged as in research/vllm021_dsv4.md §5):
  5. One JSON with the command, date, device, versions and all numbers (--out); the dense
     log-prob tensors go next to it as <out>.pt.
 
-Decode-anomaly hypothesis (to be confirmed by step 2 and the hooks): vLLM 0.21.0
-layers/mhc.py:679-683 picks n_splits = 8 when num_tokens < 8 (and H <= 4096) and 4 for
+The mHC hazard the check measures (H200, 2026-12-02: bench/results/h200/mhc_h1024.json): vLLM
+0.21.0 layers/mhc.py:679-683 picks n_splits = 8 when num_tokens < 8 (and H <= 4096) and 4 for
 8 <= T <= 16, and calls mhc_fused_tilelang (mhc.py:714-729). That kernel gives each split
 h_per_split = H // split_k elements (mhc.py:428) and loops h_iters = h_per_split // n_thr times
 with n_thr = 256 (mhc.py:430, 474). For H = 1024 at T < 8: 128 // 256 = 0 iterations, so the
 kernel writes neither residual_out (torch.empty_like, mhc.py:689) nor real sums: yp/rp = 0, so
 mhc_pre_big_fuse sees mixes = 0 and builds layer_input from the uninitialised residual buffer.
-The decode-step layer input (and the carried residual) is stale memory, exactly 0 when the block
-the allocator hands out happens to be zero -> MoE input 0 -> MoE output exactly 0 (what §8 saw),
-otherwise garbage. Prefill (T = 17 > 16) takes the unfused path (mhc_post_tilelang +
-tf32_hc_prenorm_gemm) and is fine. Any H with (H // 8) % 256 != 0 or (H // 4) % 256 != 0 is hit
-(partially when the quotient is not a multiple of 256); H = 2048 and 4096 are not.
+The decode-step layer input (and the carried residual) is stale memory: exactly 0 when the block
+the allocator hands out happens to be zero (then the MoE output is exactly 0 and every decode
+step's logits are uniform), otherwise garbage. Prefill (T = 17 > 16) takes the unfused path
+(mhc_post_tilelang + tf32_hc_prenorm_gemm) and is fine. Any H with (H // 8) % 256 != 0 or
+(H // 4) % 256 != 0 is hit (partially when the quotient is not a multiple of 256); H = 2048 and
+4096 are not, which is why the tiny preset uses H = 2048.
 """
 
 from __future__ import annotations
@@ -361,18 +361,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument(
-        "--out", default=os.path.join(REPO, "bench", "results", "upstream_baseline_h200.json")
-    )
+    ap.add_argument("--out", default=os.path.join("out", "upstream_baseline.json"))
     ap.add_argument("--ckpt", default=None)
     ap.add_argument(
-        "--hidden", type=int, default=2048, help="tiny preset hidden size (1024 reproduces §8)"
+        "--hidden",
+        type=int,
+        default=2048,
+        help="tiny preset hidden size (1024 shows the mHC hazard)",
     )
     ap.add_argument(
         "--format",
         default="native",
         choices=["native", "nvfp4", "nvidia-mixed"],
-        help="tiny checkpoint to generate; nvfp4/nvidia-mixed need our overlay applied (issue 8)",
+        help="tiny checkpoint to generate; nvfp4/nvidia-mixed need our overlay applied",
     )
     ap.add_argument("--modes", default="eager,graph")
     ap.add_argument("--decode", type=int, default=16)

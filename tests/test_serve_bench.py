@@ -386,7 +386,7 @@ def _warmup_stub():
 
 
 def test_resume_warmup_and_min_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A driver calls serve_bench once per point over two device calls: --resume keeps the ok
+    """A driver calls serve_bench once per point over several invocations: --resume keeps the ok
     runs, re-runs the failed one in place, and warms each shape up once (token-id prompts of the
     shape's length, short outputs, before its first run)."""
     fake = tmp_path / "fake_cli.py"

@@ -17,13 +17,15 @@ _spec.loader.exec_module(ub)
 
 
 def test_compare_positions(monkeypatch) -> None:
-    import cutedsl.golden
+    import cutedsl.tools.golden
 
     g = torch.Generator().manual_seed(3)
     v, t, steps = 50, 9, 4
     prompt = torch.randint(0, v, (t,), generator=g).tolist()
     logits = torch.randn(t + steps, v, generator=g, dtype=torch.float64)  # golden, all positions
-    monkeypatch.setattr(cutedsl.golden, "golden_logits", lambda model, ids: logits[: len(ids)])
+    monkeypatch.setattr(
+        cutedsl.tools.golden, "golden_logits", lambda model, ids: logits[: len(ids)]
+    )
     lp = torch.log_softmax(logits, -1)
     gen = lp[t - 1 :].clone()
     gen[2] = torch.log_softmax(torch.randn(v, generator=g, dtype=torch.float64), -1)  # step 2 off
