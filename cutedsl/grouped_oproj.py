@@ -14,7 +14,10 @@ from __future__ import annotations
 import torch
 
 from cutedsl import formats, ops, reference
-from cutedsl.runner import Runner, check_tensor, scalar_f32
+from cutedsl.runner import Runner
+from cutedsl.sm90 import runners as sm90_runners
+from cutedsl.sm100 import runners as sm100_runners
+from cutedsl.validate import check_tensor, scalar_f32
 from cutedsl.workspace import Workspace, for_role
 
 _HALF = reference.ROPE_DIM // 2
@@ -52,7 +55,7 @@ def inverse_rope_into(
 
 
 class Nvfp4GroupedOproj(Runner):
-    kind = "grouped_oproj"
+    impls = {"sm90": sm90_runners.GroupedOproj, "sm100": sm100_runners.GroupedOproj}
     checkpoint_tensors = ("weight", "weight_scale")
 
     def __init__(

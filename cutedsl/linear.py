@@ -15,11 +15,14 @@ from __future__ import annotations
 import torch
 
 from cutedsl import formats, ops, reference
-from cutedsl.runner import Runner, check_tensor, scalar_f32
+from cutedsl.runner import Runner
+from cutedsl.sm90 import runners as sm90_runners
+from cutedsl.sm100 import runners as sm100_runners
+from cutedsl.validate import check_tensor, scalar_f32
 
 
 class Nvfp4Linear(Runner):
-    kind = "linear"
+    impls = {"sm90": sm90_runners.Linear, "sm100": sm100_runners.Linear}
     checkpoint_tensors = ("weight", "weight_scale")
 
     def __init__(

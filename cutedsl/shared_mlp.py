@@ -11,11 +11,14 @@ from __future__ import annotations
 import torch
 
 from cutedsl import formats, ops, reference
-from cutedsl.runner import Runner, check_tensor, scalar_f32
+from cutedsl.runner import Runner
+from cutedsl.sm90 import runners as sm90_runners
+from cutedsl.sm100 import runners as sm100_runners
+from cutedsl.validate import check_tensor, scalar_f32
 
 
 class Nvfp4SharedMlp(Runner):
-    kind = "shared_mlp"
+    impls = {"sm90": sm90_runners.SharedMlp, "sm100": sm100_runners.SharedMlp}
     checkpoint_tensors = ("w13", "w13_scale", "w2", "w2_scale")
 
     def __init__(

@@ -68,13 +68,13 @@ def no_reserve(monkeypatch: pytest.MonkeyPatch):
 
 
 def sm90_launch_emulator():
-    """A stand-in for `cutedsl.sm90._launch` on the CPU: out3[l] = a3[l] · dequant(wp[l])ᵀ (dense /
+    """A stand-in for `cutedsl.sm90.gemm._launch` on the CPU: out3[l] = a3[l] · dequant(wp[l])ᵀ (dense /
     groups), or per expert rows [offs[e], offs[e+1]) of a3[0] (MoE; rows outside the experts are
     left untouched), from the host model of the kernel's weight decode."""
-    from cutedsl import sm90
+    from cutedsl.sm90 import weight
 
     def launch(a3, wp, out3, offs, tactic):
-        w = sm90.dequantize_prepared(wp)  # [L, N, K] fp32
+        w = weight.dequantize_prepared(wp)  # [L, N, K] fp32
         if offs is None:
             out3.copy_(torch.einsum("lmk,lnk->lmn", a3.float(), w))
             return

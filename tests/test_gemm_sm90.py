@@ -1,4 +1,4 @@
-"""sm_90a NVFP4 W4A16 GEMM family (cutedsl/kernels/gemm_sm90.py, host side cutedsl/sm90.py).
+"""sm_90a NVFP4 W4A16 GEMM family (cutedsl/sm90/kernels/gemm.py; host side cutedsl/sm90/).
 
 CPU: every variant compiles for sm_90a and shows wgmma/HGMMA; tactic and prep contracts.
 GPU (sm90): kernel vs fp32 torch math on the same quantized operands (dequantized with
@@ -8,14 +8,20 @@ cutedsl.formats), fresh random data, outputs poisoned with NaN, edge cases and D
 from __future__ import annotations
 
 import inspect
+from dataclasses import astuple
 
 import pytest
 import torch
 
-from cutedsl import formats
-from cutedsl import sm90 as S
-from cutedsl.kernels import gemm_sm90
+from cutedsl import formats, jit
+from cutedsl.sm90 import gemm as G
+from cutedsl.sm90 import tactics as TT
+from cutedsl.sm90 import weight as W
+from cutedsl.sm90.kernels import gemm as gemm_sm90
+from cutedsl.sm90.tactics import GpuSpec, Tactic
 from cutedsl.tools import check_kernels
+
+H200 = GpuSpec("NVIDIA H200", 132)
 
 TARGETS = gemm_sm90.check_targets()
 
@@ -25,7 +31,7 @@ TARGETS = gemm_sm90.check_targets()
 
 @pytest.mark.parametrize("target", TARGETS, ids=[t.name for t in TARGETS])
 def test_variant_compiles_for_sm90a_with_wgmma(target) -> None:
-    r = check_kernels.run_target("cutedsl.kernels.gemm_sm90", target)
+    r = check_kernels.run_target("cutedsl.sm90.kernels.gemm", target)
     assert r.ok, f"{target.name}: {r.error or 'missing ' + ', '.join(r.missing)}"
 
 
@@ -147,34 +153,46 @@ def test_producer_warp_default(tile: tuple[int, int]) -> None:
 
 
 def test_choose_tactic_splits_fit_a_cluster() -> None:
-    assert S.MAX_SPLIT_K == gemm_sm90.MAX_SPLIT_K  # the host copy of the kernel's cluster limit
+    assert TT.MAX_SPLIT_K == gemm_sm90.MAX_SPLIT_K  # the host copy of the kernel's cluster limit
     for m in (1, 7, 16, 33, 64, 100, 200, 256, 1000, 5000):
         for n, k in ((1536, 4096), (32768, 1024), (4096, 8192), (512, 512), (2048, 1024)):
-            tn, tm, sk = S.choose_tactic(m, n, k, 1)
+            tn, tm, sk = astuple(TT.choose_tactic(m, n, k, 1, spec=H200))
             gemm_sm90.Sm90Nvfp4W4A16GemmKernel(tile_n=tn, tile_m=tm, split_k=sk)  # accepted
             assert gemm_sm90.Sm90Nvfp4W4A16GemmKernel.can_implement(n, k, tn, sk)
 
 
 def test_choose_tactic_rule_decode_splits_k_and_prefill_takes_big_tiles() -> None:
     """The rule, on shapes the measured table does not hold."""
-    assert (2048, 4096, 1) not in S._tuned_table()
-    tn, tm, sk = S.choose_tactic(1, 2048, 4096, 1)
+    assert (2048, 4096, 1) not in TT.tuned_table(H200)
+    tn, tm, sk = astuple(TT.choose_tactic(1, 2048, 4096, 1, spec=H200))
     assert (tn, tm) == (64, 16) and sk > 1  # 32 CTAs: split K
-    assert S.choose_tactic(16384, 2048, 8192, 1) == (128, 256, 1)
-    assert S.choose_tactic(16, 32768 + 128, 1024, 1) == (128, 16, 1)  # a full grid: no split
-    assert S.choose_tactic(100, 32768 + 128, 1024, 1) == (128, 128, 1)
-    assert S.choose_tactic(100, 2048, 4096, 1) == (128, 64, 4)  # 32 CTAs: up to one wave
-    assert S.choose_tactic(200, 2048, 8192, 1) == (128, 128, 4)
-    assert S.choose_tactic(100, 4096, 8192, 256, moe=True) == (128, 128, 1)  # the MoE never splits
-    assert S.choose_tactic(1, 256 * 64, 4096, 1, moe=True)[2] == 1
-    assert S.launch_tactic(64 * 6, 4096, 4096, 256, moe=True) == (128, 16, 1)  # the 12-03 sweep
-    assert S.launch_tactic(6, 4096, 4096, 256, moe=True) == (64, 16, 1)  # 192 CTAs of 128 rows
-    assert S.launch_tactic(24, 4096, 4096, 256, moe=True) == (128, 16, 1)
+    assert TT.choose_tactic(16384, 2048, 8192, 1, spec=H200) == Tactic(128, 256, 1)
+    assert TT.choose_tactic(16, 32768 + 128, 1024, 1, spec=H200) == Tactic(
+        128, 16, 1
+    )  # a full grid: no split
+    assert TT.choose_tactic(100, 32768 + 128, 1024, 1, spec=H200) == Tactic(128, 128, 1)
+    assert TT.choose_tactic(100, 2048, 4096, 1, spec=H200) == Tactic(
+        128, 64, 4
+    )  # 32 CTAs: up to one wave
+    assert TT.choose_tactic(200, 2048, 8192, 1, spec=H200) == Tactic(128, 128, 4)
+    assert TT.choose_tactic(100, 4096, 8192, 256, moe=True, spec=H200) == Tactic(
+        128, 128, 1
+    )  # the MoE never splits
+    assert TT.choose_tactic(1, 256 * 64, 4096, 1, moe=True, spec=H200).split_k == 1
+    assert TT.launch_tactic(64 * 6, 4096, 4096, 256, True, H200) == Tactic(
+        128, 16, 1
+    )  # the 12-03 sweep
+    assert TT.launch_tactic(6, 4096, 4096, 256, True, H200) == Tactic(
+        64, 16, 1
+    )  # 192 CTAs of 128 rows
+    assert TT.launch_tactic(24, 4096, 4096, 256, True, H200) == Tactic(128, 16, 1)
     # MoE prefill: 192-token tiles above 128 (H200 2026-12-04 sweep: 1.17-1.18x over 256)
-    assert S.launch_tactic(4096 * 6, 4096, 4096, 256, moe=True) == (128, 192, 1)
-    assert S.launch_tactic(16384 * 6, 4096, 2048, 256, moe=True) == (128, 192, 1)
-    assert S.launch_tactic(1024 * 6, 4096, 4096, 256, moe=True) == (128, 64, 1)
-    assert S.launch_tactic(4096, 4096, 4096, 8, moe=True) == (64, 192, 1)  # few experts: 64 rows
+    assert TT.launch_tactic(4096 * 6, 4096, 4096, 256, True, H200) == Tactic(128, 192, 1)
+    assert TT.launch_tactic(16384 * 6, 4096, 2048, 256, True, H200) == Tactic(128, 192, 1)
+    assert TT.launch_tactic(1024 * 6, 4096, 4096, 256, True, H200) == Tactic(128, 64, 1)
+    assert TT.launch_tactic(4096, 4096, 4096, 8, True, H200) == Tactic(
+        64, 192, 1
+    )  # few experts: 64 rows
 
 
 def test_moe_tile_bound_covers_every_routing() -> None:
@@ -183,7 +201,7 @@ def test_moe_tile_bound_covers_every_routing() -> None:
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     reached = False
     for e in (1, 8, 256, 384):
-        for tm in S.TILE_M_VERIFIED:
+        for tm in TT.TILE_M_VERIFIED:
             for counts in (
                 torch.randint(0, 3 * tm, (e,), generator=gen),
                 torch.randint(0, 3, (e,), generator=gen),
@@ -192,7 +210,7 @@ def test_moe_tile_bound_covers_every_routing() -> None:
             ):
                 rows = int(counts.sum())
                 tiles = int(((counts + tm - 1) // tm).sum())
-                bound = S.moe_tile_bound(rows, e, tm)
+                bound = TT.moe_tile_bound(rows, e, tm)
                 assert tiles <= bound, (e, tm, counts.tolist())
                 assert gemm_sm90.moe_grid_y(rows, e, tm) == bound  # the kernel's own copy
                 reached |= tiles == bound
@@ -201,32 +219,45 @@ def test_moe_tile_bound_covers_every_routing() -> None:
 
 def test_moe_grid_limit_is_refused() -> None:
     """A routed launch whose tile bound exceeds grid.y is refused on the host, naming `a`."""
-    wp = S.prepare_nvfp4_weight(*_rand_weight(4, 128, 64, dev="cpu"))
+    wp = W.prepare_weight(*_rand_weight(4, 128, 64, dev="cpu"))
     a = torch.empty(1, 16 * 70000, 64, dtype=torch.bfloat16)
     offs = torch.zeros(5, dtype=torch.int32)
     with pytest.raises(ValueError, match="grid limit 65535"):
-        S._launch(a, wp, torch.empty(1, a.shape[1], 128, dtype=torch.bfloat16), offs, (128, 16, 1))
+        G._launch(
+            a, wp, torch.empty(1, a.shape[1], 128, dtype=torch.bfloat16), offs, Tactic(128, 16, 1)
+        )
 
 
 def test_choose_tactic_takes_the_measured_table() -> None:
     """Table shapes take the fastest measured tactic of the smallest measured M >= m (the rule
     beyond the largest), and every entry is a tactic the kernel takes for its shape."""
-    table = S._tuned_table()
+    table = TT.tuned_table(H200)
     assert (1536, 4096, 1) in table and (1024, 4096, 8) in table  # fused_wqa_wkv, wo_a (G = 8)
     for (n, k, g), entries in table.items():
         prev = 0
         for m_max, tactic in entries:
             for m in {prev + 1, (prev + 1 + m_max) // 2, m_max}:
-                assert S.choose_tactic(m, n, k, g) == tactic, (n, k, g, m)
-            tn, tm, sk = tactic
+                assert TT.choose_tactic(m, n, k, g, spec=H200) == tactic, (n, k, g, m)
+            tn, tm, sk = astuple(tactic)
             gemm_sm90.Sm90Nvfp4W4A16GemmKernel(tile_n=tn, tile_m=tm, split_k=sk)
             assert gemm_sm90.Sm90Nvfp4W4A16GemmKernel.can_implement(n, k, tn, sk)
-            assert tm in S.TILE_M_VERIFIED
+            assert tm in TT.TILE_M_VERIFIED
             prev = m_max
-    assert S.choose_tactic(4096, 1536, 4096, 1) == (128, 192, 1)  # measured (2026-12-04)
-    assert S.choose_tactic(4097, 1536, 4096, 1) == (128, 256, 1)  # beyond the table: the rule
-    assert S.choose_tactic(128, 1024, 4096, 8) == (64, 128, 2)  # measured (the rule: 128x64x1)
-    assert S.choose_tactic(128, 1024, 4096, 8, num_sms=114) == (128, 64, 1)  # another GPU: rule
+    assert TT.choose_tactic(4096, 1536, 4096, 1, spec=H200) == Tactic(
+        128, 192, 1
+    )  # measured (2026-12-04)
+    assert TT.choose_tactic(4097, 1536, 4096, 1, spec=H200) == Tactic(
+        128, 256, 1
+    )  # beyond the table: the rule
+    assert TT.choose_tactic(128, 1024, 4096, 8, spec=H200) == Tactic(
+        64, 128, 2
+    )  # measured (the rule: 128x64x1)
+    # another GPU (no table of its name), or this name with another SM count: the rule
+    for other in (GpuSpec("NVIDIA H100 80GB HBM3", 132), GpuSpec("NVIDIA H200", 114)):
+        assert TT.tuned_table(other) == {}
+    assert TT.choose_tactic(128, 1024, 4096, 8, spec=GpuSpec("NVIDIA H200", 114)) == Tactic(
+        128, 64, 1
+    )
 
 
 def _special_scales(shape: tuple, gen: torch.Generator, dev: str = "cpu") -> torch.Tensor:
@@ -246,35 +277,35 @@ def test_encoding_decodes_exactly_to_the_nvfp4_weight() -> None:
     packed = torch.randint(0, 256, (groups, n, k // 2), generator=gen, dtype=torch.uint8)
     sf = _special_scales((groups, n, k // 16), gen)
     gs = torch.rand(groups, generator=gen) + 0.5
-    wp = S.prepare_nvfp4_weight(packed.reshape(groups * n, -1), sf.reshape(groups * n, -1), gs,
+    wp = W.prepare_weight(packed.reshape(groups * n, -1), sf.reshape(groups * n, -1), gs,
                                 groups=groups)  # fmt: skip
     assert wp.w.shape == (groups, n, k // 2) and wp.w.dtype == torch.uint8
     assert wp.sf.shape == (groups, k // 64, n) and wp.sf.dtype == torch.int32
     want = formats.dequantize_nvfp4(packed, sf, 1.0, torch.float32)
-    got = S.decode_emulated(wp)
+    got = W.decode_emulated(wp)
     assert torch.equal(got, want), f"{int((got != want).sum())} weights decode differently"
-    assert torch.equal(S.dequantize_prepared(wp), want * gs[:, None, None])
+    assert torch.equal(W.dequantize_prepared(wp), want * gs[:, None, None])
 
 
 def test_two_scale_images_per_word_match_one_per_word() -> None:
-    """`e5m3x4_to_bf16x2x2` (prmt selectors 0x4140 / 0x4342 with the 0x07 bytes, then << 4, as
-    its PTX text says) gives, in each half, the single-scale image of `e5m3x4_to_bf16x2x4`
-    (selectors 0x4040..0x4343, << 4) of the same code: codes 0, 1 and 2, 3, low half first, for
-    random scale words and every code in every byte."""
+    """The kernel's `e5m3x4_to_bf16x2x2` (prmt selectors 0x4140 / 0x4342 with the 0x07 bytes, then
+    << 4, as its PTX text says) gives, in each half, the single-scale image the host model
+    (`weight.decode_emulated`: selectors 0x4040..0x4343, << 4) builds for the same code: codes 0,
+    1 and 2, 3, low half first, for random scale words and every code in every byte."""
     import re
 
-    from cutedsl.kernels import device_utils as du
+    from cutedsl.sm90.kernels import decode
 
-    for fn, sels in ((du.e5m3x4_to_bf16x2x2, (0x4140, 0x4342)),
-                     (du.e5m3x4_to_bf16x2x4, (0x4040, 0x4141, 0x4242, 0x4343))):  # fmt: skip
-        src = inspect.getsource(fn)
-        assert re.findall(r"prmt\.b32 t, \$\d, k, (0x[0-9a-f]+)", src) == [hex(x) for x in sels]
+    src = inspect.getsource(decode.e5m3x4_to_bf16x2x2)
+    assert re.findall(r"prmt\.b32 t, \$\d, k, (0x[0-9a-f]+)", src) == ["0x4140", "0x4342"]
+    src = inspect.getsource(W.decode_emulated)
+    assert "(0x4040, 0x4141, 0x4242, 0x4343)" in src
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     s = torch.cat([torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64),
                    torch.arange(256, dtype=torch.int64) * 0x01010101])  # fmt: skip
-    k = torch.full_like(s, du.SCALE_HI * 0x01010101)
-    one = [(S._prmt(s, k, sel) << 4) & 0xFFFFFFFF for sel in (0x4040, 0x4141, 0x4242, 0x4343)]
-    two = [(S._prmt(s, k, sel) << 4) & 0xFFFFFFFF for sel in (0x4140, 0x4342)]
+    k = torch.full_like(s, W.SCALE_HI * 0x01010101)
+    one = [(W._prmt(s, k, sel) << 4) & 0xFFFFFFFF for sel in (0x4040, 0x4141, 0x4242, 0x4343)]
+    two = [(W._prmt(s, k, sel) << 4) & 0xFFFFFFFF for sel in (0x4140, 0x4342)]
     for q in range(2):
         assert torch.equal(two[q] & 0xFFFF, one[2 * q] & 0xFFFF)
         assert torch.equal(two[q] >> 16, one[2 * q + 1] & 0xFFFF)
@@ -289,30 +320,30 @@ def test_encoding_places_each_lanes_fragment() -> None:
         packed = torch.zeros(n, k // 2, dtype=torch.uint8)
         packed[5, kk // 2] = 0x2 << (4 * (kk % 2))  # e2m1 1.0 at (row 5, kk)
         sf = torch.full((n, k // 16), 1.0).to(torch.float8_e4m3fn)
-        wp = S.prepare_nvfp4_weight(packed, sf, 1.0)
+        wp = W.prepare_weight(packed, sf, 1.0)
         words = wp.w[0, 5].reshape(k // 64, 4, 2, 4)  # [t, c, q, byte]
         t, j, c = kk // 64, (kk % 64) // 16, (kk % 8) // 2
         nz = words.nonzero().tolist()
         assert len(nz) == 1 and nz[0][:3] == [t, c, j // 2], (kk, nz)
-        assert S.decode_emulated(wp)[0, 5, kk] == 1.0 and S.decode_emulated(wp).sum() == 1.0
+        assert W.decode_emulated(wp)[0, 5, kk] == 1.0 and W.decode_emulated(wp).sum() == 1.0
 
 
 def test_prepare_errors() -> None:
     n, k = 128, 256
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
     sf = (torch.rand(n, k // 16) + 0.1).to(torch.float8_e4m3fn)
-    wp = S.prepare_nvfp4_weight(packed, sf, torch.tensor(0.5))
+    wp = W.prepare_weight(packed, sf, torch.tensor(0.5))
     assert wp.gs.tolist() == [0.5]
-    g = S.prepare_nvfp4_weight(packed, sf, 1.0, groups=2)
+    g = W.prepare_weight(packed, sf, 1.0, groups=2)
     assert g.groups == 2 and g.n == 64 and torch.equal(g.w[1], wp.w[0, 64:])
     with pytest.raises(ValueError, match="b_sf: shape"):
-        S.prepare_nvfp4_weight(packed, sf[:, :-1], 1.0)
+        W.prepare_weight(packed, sf[:, :-1], 1.0)
     with pytest.raises(ValueError, match="N=96"):
-        S.prepare_nvfp4_weight(packed[:96], sf[:96], 1.0)
+        W.prepare_weight(packed[:96], sf[:96], 1.0)
     bad = sf.clone().view(torch.uint8)
     bad[3, 2] = 0xFF
     with pytest.raises(ValueError, match=r"NaN block scale .* \[0, 3, 2\]"):
-        S.prepare_nvfp4_weight(packed, bad.view(torch.float8_e4m3fn), 1.0)
+        W.prepare_weight(packed, bad.view(torch.float8_e4m3fn), 1.0)
 
 
 # ------------------------------------------------------------------------------------- GPU
@@ -368,7 +399,7 @@ def test_dense_edge_m(m: int) -> None:
     packed, sf, gs = _rand_weight(1, n, k)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = _poison((m, n))
-    S.sm90_nvfp4_gemm(a, packed[0], sf[0], gs[0], out=out)
+    G.linear(a, W.prepare_weight(packed[0], sf[0], gs[0]), out=out)
     _assert_close(out, _ref(a, packed[0], sf[0], gs[0]), f"dense M={m}")
 
 
@@ -377,10 +408,10 @@ def test_dense_edge_m(m: int) -> None:
 @pytest.mark.parametrize("m", [1, 32, 129, 1024])
 def test_dense_dsv4_shapes(name: str, n: int, k: int, m: int) -> None:
     packed, sf, gs = _rand_weight(1, n, k)
-    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    wp = W.prepare_weight(packed, sf, gs)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = _poison((m, n))
-    S.sm90_nvfp4_gemm_prepared(a, wp, out=out)
+    G.linear(a, wp, out=out)
     _assert_close(out, _ref(a, packed[0], sf[0], gs[0]), f"{name} M={m}")
 
 
@@ -410,10 +441,10 @@ def test_unverified_token_tiles_are_refused(tile_m: int) -> None:
     """Regression: on the H200 (2026-12-02) tile_m 8 gave wrong results and tile_m 24 aborted the
     process inside cute.compile; a forced tactic with such a tile must raise, not compile."""
     packed, sf, gs = _rand_weight(1, 512, 1024, dev="cpu")
-    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    wp = W.prepare_weight(packed, sf, gs)
     a = torch.zeros(3, 1024, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=f"tile_m {tile_m} not in"):
-        S.sm90_nvfp4_gemm_prepared(a, wp, tactic=(64, tile_m, 1))
+        G.linear(a, wp, tactic=Tactic(64, tile_m, 1))
 
 
 @pytest.mark.sm90
@@ -425,10 +456,10 @@ def test_dense_special_scales(tactic) -> None:
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
     sf = _special_scales((n, k // 16), gen, "cuda")
     gs = torch.tensor(1e-3, device="cuda")
-    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    wp = W.prepare_weight(packed, sf, gs)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = _poison((m, n))
-    S.sm90_nvfp4_gemm_prepared(a, wp, out=out, tactic=tactic)
+    G.linear(a, wp, out=out, tactic=Tactic(*tactic))
     _assert_close(out, _ref(a, packed, sf, gs), f"special scales, tactic {tactic}")
 
 
@@ -437,10 +468,10 @@ def test_split_k_is_deterministic() -> None:
     """Split-K partials are summed in a fixed order: two calls give bit-identical outputs."""
     n, k, m = 1536, 4096, 3
     packed, sf, gs = _rand_weight(1, n, k)
-    wp = S.prepare_nvfp4_weight(packed[0], sf[0], gs[0])
+    wp = W.prepare_weight(packed[0], sf[0], gs[0])
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    assert S.launch_tactic(m, n, k, 1, False)[2] > 1
-    outs = [S.sm90_nvfp4_gemm_prepared(a, wp) for _ in range(5)]
+    assert TT.launch_tactic(m, n, k, 1, False, H200).split_k > 1
+    outs = [G.linear(a, wp) for _ in range(5)]
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     _assert_close(outs[0], _ref(a, packed[0], sf[0], gs[0]), "split-K")
 
@@ -450,10 +481,10 @@ def test_split_k_is_deterministic() -> None:
 def test_dense_every_tactic(tactic) -> None:
     n, k, m = 512, 1024, 77
     packed, sf, gs = _rand_weight(1, n, k)
-    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    wp = W.prepare_weight(packed, sf, gs)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = _poison((m, n))
-    S.sm90_nvfp4_gemm_prepared(a, wp, out=out, tactic=tactic)
+    G.linear(a, wp, out=out, tactic=Tactic(*tactic))
     _assert_close(out, _ref(a, packed[0], sf[0], gs[0]), f"tactic {tactic}")
 
 
@@ -480,18 +511,18 @@ def test_staged_epilogue_matches_register_stores(tile) -> None:
     """The staged epilogue (stmatrix + 16-byte stores) writes exactly what the register epilogue
     writes, bit for bit, on grouped operands with a token tail in every group; with split-K the
     sums are the same rank-ordered ones."""
-    from cutedsl.kernels.gemm_sm90 import compile_kernel
+    from cutedsl.sm90.kernels.gemm import compile_kernel
 
     tn, tm, sk = tile
     g, n, k, m = 2, 512, 1024, 3 * tm // 2 + 5
     packed, sf, gs = _rand_weight(g, n, k)
-    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    wp = W.prepare_weight(packed, sf, gs)
     a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
     outs = []
     for staged in (True, False):
         fn = compile_kernel(tn, tm, sk, False, staged_epilogue=staged)
         out = _poison((g, m, n))
-        fn(*S.kernel_operands(a, wp, out))
+        fn(*G.kernel_operands(a, wp, out))
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), f"tile {tile}: staged and register epilogues differ"
     for i in range(g):
@@ -506,7 +537,7 @@ def test_dense_from_quantize_nvfp4() -> None:
     packed, sf, gs = formats.quantize_nvfp4(w)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = _poison((m, n))
-    S.sm90_nvfp4_gemm(a, packed, sf, gs, out=out)
+    G.linear(a, W.prepare_weight(packed, sf, gs), out=out)
     _assert_close(out, _ref(a, packed, sf, gs), "quantize_nvfp4 weights")
 
 
@@ -518,17 +549,17 @@ GROUPED = [("flash.wo_a", 8, 1024, 4096), ("pro.wo_a", 16, 1024, 4096), ("small"
 @pytest.mark.parametrize("m", [0, 1, 127, 129])
 def test_grouped_equal_groups(name: str, g: int, r: int, d: int, m: int) -> None:
     packed, sf, gs = _rand_weight(g, r, d)
-    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    wp = W.prepare_weight(packed, sf, gs)
     a = torch.randn(g, m, d, device="cuda", dtype=torch.bfloat16)
     out = _poison((g, m, r))
-    S.sm90_nvfp4_grouped_gemm(a, wp, out=out)
+    G.grouped(a, wp, out=out)
     ref = torch.stack([_ref(a[i], packed[i], sf[i], gs[i]) for i in range(g)])
     _assert_close(out, ref, f"{name} M={m}")
 
 
 MEASURED = [
     (n, k, g, m_max, tactic)
-    for (n, k, g), entries in S._tuned_table().items()
+    for (n, k, g), entries in TT.tuned_table(H200).items()
     for m_max, tactic in entries
 ]
 
@@ -537,32 +568,32 @@ MEASURED = [
 @pytest.mark.parametrize(
     ("n", "k", "g", "m_max", "tactic"),
     MEASURED,
-    ids=[f"n{n}k{k}g{g}-m{m}-" + "x".join(map(str, t)) for n, k, g, m, t in MEASURED],
+    ids=[f"n{n}k{k}g{g}-m{m}-{t}" for n, k, g, m, t in MEASURED],
 )
 def test_every_measured_tactic(n: int, k: int, g: int, m_max: int, tactic: tuple) -> None:
     """Each entry of the measured tactic table on its own shape, through the default launch
     path (the table picks it), at an odd row count in its M range: the sweep that chose these
     timed them but did not check their values."""
     m = max(1, m_max - 1)
-    assert S.choose_tactic(m, n, k, g) == tactic
+    assert TT.choose_tactic(m, n, k, g, spec=H200) == tactic
     packed, sf, gs = _rand_weight(g, n, k)
-    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    wp = W.prepare_weight(packed, sf, gs)
     if g == 1:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         out = _poison((m, n))
-        S.sm90_nvfp4_gemm_prepared(a, wp, out=out)
+        G.linear(a, wp, out=out)
         ref = _ref(a, packed[0], sf[0], gs[0])
     else:
         a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
         out = _poison((g, m, n))
-        S.sm90_nvfp4_grouped_gemm(a, wp, out=out)
+        G.grouped(a, wp, out=out)
         ref = torch.stack([_ref(a[i], packed[i], sf[i], gs[i]) for i in range(g)])
     _assert_close(out, ref, f"N={n} K={k} G={g} M={m} tactic {tactic}")
 
 
 def _moe_case(e: int, n: int, k: int, counts: list[int]):
     packed, sf, gs = _rand_weight(e, n, k)
-    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    wp = W.prepare_weight(packed, sf, gs)
     t = sum(counts)
     offs = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32).cuda()
     a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
@@ -588,7 +619,7 @@ def _moe_case(e: int, n: int, k: int, counts: list[int]):
 def test_moe_offsets(counts: list[int]) -> None:
     wp, offs, a, ref = _moe_case(8, 256, 512, counts)
     out = _poison(ref.shape)
-    S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out)
+    G.moe(a, offs, wp, out=out)
     _assert_close(out, ref, f"moe {counts}")
 
 
@@ -603,7 +634,7 @@ def test_moe_every_tile(tactic) -> None:
     spanning several m tiles."""
     wp, offs, a, ref = _moe_case(6, 256, 512, [0, 40, 1, 0, 300, 17])
     out = _poison(ref.shape)
-    S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out, tactic=tactic)
+    G.moe(a, offs, wp, out=out, tactic=Tactic(*tactic))
     _assert_close(out, ref, f"moe tactic {tactic}")
 
 
@@ -612,7 +643,7 @@ def test_moe_every_tile(tactic) -> None:
 def test_moe_staged_epilogue_matches_register_stores(tactic) -> None:
     """The MoE's staged epilogue writes exactly what the register epilogue writes, on experts
     spanning several m tiles."""
-    from cutedsl.kernels.gemm_sm90 import compile_kernel
+    from cutedsl.sm90.kernels.gemm import compile_kernel
 
     tn, tm, _ = tactic
     wp, offs, a, ref = _moe_case(6, 256, 512, [0, 3 * tm + 5, 1, 0, 300, 17])
@@ -620,7 +651,7 @@ def test_moe_staged_epilogue_matches_register_stores(tactic) -> None:
     for staged in (True, False):
         fn = compile_kernel(tn, tm, 1, True, staged_epilogue=staged)
         out = _poison(ref.shape)
-        fn(*S.kernel_operands(a.unsqueeze(0), wp, out.unsqueeze(0), offs))
+        fn(*G.kernel_operands(a.unsqueeze(0), wp, out.unsqueeze(0), offs))
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), f"moe tactic {tactic}: staged and register differ"
     _assert_close(outs[0], ref, f"moe staged tactic {tactic}")
@@ -650,7 +681,7 @@ def test_load_paths_match(tile) -> None:
     """The producer warp with two or one K tiles per barrier stage and warp 0's loads write the
     same bits (dense: grouped operands with a token tail; MoE: empty experts, partial tiles, an
     expert over several m tiles), which match the reference."""
-    from cutedsl.kernels.gemm_sm90 import compile_kernel
+    from cutedsl.sm90.kernels.gemm import compile_kernel
 
     tn, tm, sk, moe, k, stages = tile
     if moe:
@@ -659,13 +690,13 @@ def test_load_paths_match(tile) -> None:
     else:
         g, n, m = 2, 512, 3 * tm // 2 + 5
         packed, sf, gs = _rand_weight(g, n, k)
-        wp, offs, shape = S.prepare_nvfp4_weight(packed, sf, gs), None, (g, m, n)
+        wp, offs, shape = W.prepare_weight(packed, sf, gs), None, (g, m, n)
         a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
     outs = []
     for producer, kps in LOAD_PATHS:
         fn = compile_kernel(tn, tm, sk, moe, producer=producer, k_per_stage=kps, stages=stages)
         out = _poison(shape)
-        fn(*S.kernel_operands(a, wp, out, offs))
+        fn(*G.kernel_operands(a, wp, out, offs))
         outs.append(out)
     for path, out in zip(LOAD_PATHS[1:], outs[1:], strict=True):
         assert torch.equal(outs[0], out), f"tile {tile}: load paths {LOAD_PATHS[0]}, {path} differ"
@@ -689,7 +720,7 @@ def test_moe_tile_schedule(tactic) -> None:
     wp, offs, a, ref = _moe_case(e, n, k, counts.tolist())
     a = torch.cat([a, torch.randn(extra, k, device="cuda", dtype=torch.bfloat16)])
     out = _poison((a.shape[0], n))
-    S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out, tactic=tactic)
+    G.moe(a, offs, wp, out=out, tactic=Tactic(*tactic))
     _assert_close(out[: ref.shape[0]], ref, f"moe schedule tactic {tactic}")
     assert out[ref.shape[0] :].isnan().all(), "rows past offs[E] were written"
 
@@ -701,11 +732,11 @@ def test_moe_one_compile_serves_every_routing() -> None:
     for counts in ([5, 0, 9, 2], [0, 40, 0, 1], [0, 0, 0, 0]):
         wp, offs, a, ref = _moe_case(4, 128, 256, counts)
         out = _poison(ref.shape)
-        S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out, tactic=(64, 16, 1))
+        G.moe(a, offs, wp, out=out, tactic=Tactic(64, 16, 1))
         _assert_close(out, ref, f"moe {counts}")
         if compiles is None:
-            compiles = S.compile_count()
-    assert S.compile_count() == compiles
+            compiles = jit.compile_count()
+    assert jit.compile_count() == compiles
 
 
 MOE_SHAPES = [
@@ -725,7 +756,7 @@ def test_moe_dsv4_shapes(name: str, e: int, n: int, k: int) -> None:
     counts[active] = torch.randint(0, 70, (12,), generator=g)
     wp, offs, a, ref = _moe_case(e, n, k, counts.tolist())
     out = _poison(ref.shape)
-    S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out)
+    G.moe(a, offs, wp, out=out)
     _assert_close(out, ref, name)
 
 
@@ -734,7 +765,7 @@ def test_cuda_graph_capture_replay_moe() -> None:
     """Capture once, write new routing/data into the same buffers, replay, compare."""
     e, n, k, t = 8, 256, 512, 96
     packed, sf, gs = _rand_weight(e, n, k)
-    wp = S.prepare_nvfp4_weight(packed, sf, gs)
+    wp = W.prepare_weight(packed, sf, gs)
     a = torch.empty(t, k, device="cuda", dtype=torch.bfloat16)
     offs = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
     out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
@@ -745,11 +776,11 @@ def test_cuda_graph_capture_replay_moe() -> None:
         out.fill_(float("nan"))
 
     fill([t] + [0] * (e - 1))
-    S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out, tactic=(64, 16, 1))  # warm-up (compile + load)
+    G.moe(a, offs, wp, out=out, tactic=Tactic(64, 16, 1))  # warm-up (compile + load)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        S.sm90_nvfp4_moe_gemm(a, offs, wp, out=out, tactic=(64, 16, 1))
+        G.moe(a, offs, wp, out=out, tactic=Tactic(64, 16, 1))
     for counts in ([10, 0, 30, 0, 6, 50, 0, 0], [0] * 7 + [t]):
         fill(counts)
         graph.replay()

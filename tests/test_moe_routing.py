@@ -1,5 +1,5 @@
-"""`cutedsl.moe.route` / `combine`: the contract on the CPU (torch path), and on a CUDA GPU the
-CuTeDSL kernels of `cutedsl.kernels.moe_routing` against it (any arch: SIMT kernels).
+"""`cutedsl.sm90.routing.route` / `combine`: the contract on the CPU (torch path), and on a CUDA GPU the
+CuTeDSL kernels of `cutedsl.sm90.kernels.moe_routing` against it (any arch: SIMT kernels).
 
 The route checker below states the contract independently of either implementation: every local
 assignment owns exactly one sorted row inside its expert's segment, offs is the exclusive prefix
@@ -15,7 +15,7 @@ import pytest
 import torch
 from nvfp4_data import fresh_gen
 
-from cutedsl.moe import MAX_E, combine, route, route_reserve
+from cutedsl.sm90.routing import MAX_E, combine, route, route_reserve
 from cutedsl.workspace import Workspace
 
 
@@ -206,11 +206,11 @@ def test_combine_kernel_is_bitwise_the_cpu_statement(m: int, k: int, h: int) -> 
 def test_route_and_combine_capture_and_allocate_nothing() -> None:
     """Route + combine on workspace buffers: no caching-allocator allocation once compiled, and a
     captured CUDA graph replays correctly on fresh ids and weights written into the same inputs."""
-    from cutedsl.moe import warmup_kernels
+    from cutedsl.sm90.routing import precompile
 
     g = fresh_gen()
     m, k, e, h = 96, 6, 64, 1024
-    warmup_kernels()
+    precompile()
     ws = Workspace("cuda", "t")
     route_reserve(ws, m * k, e)
     ids = _ids("distinct", m, k, e, g).cuda()

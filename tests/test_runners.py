@@ -225,7 +225,7 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_route_groups_assignments_by_expert(gen: torch.Generator) -> None:
-    from cutedsl.moe import route
+    from cutedsl.sm90.routing import route
 
     e, m, k = 5, 13, 3
     ids = torch.randint(-1, e + 2, (m, k), generator=gen).int()  # e, e+1: not local either

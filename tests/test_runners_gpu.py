@@ -2,7 +2,7 @@
 
 Warm up, capture one call on static buffers, write fresh data into the same buffers, replay, and
 compare with the torch reference on the same quantized operands; no compile after warm-up.
-And issue #7: after warm-up a call allocates nothing from the caching allocator but its result
+After warm-up a call allocates nothing from the caching allocator but its result
 (intermediates come from `cutedsl.workspace`; the routed experts nothing at all), more rows than
 warmed up are refused, and the routed experts' output is the same bit for bit on every call.
 """
@@ -38,10 +38,10 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def _graph_check(run, make_inputs, ref, max_tokens: int, runner) -> None:
-    from cutedsl import sm90
+    from cutedsl import jit
 
     runner.warmup(max_tokens)
-    keys = len(sm90.cache_keys())
+    keys = len(jit.cached_keys())
     static = make_inputs()
     out = run(*static)  # eager once on the static buffers (also loads the modules)
     torch.cuda.synchronize()
@@ -57,7 +57,7 @@ def _graph_check(run, make_inputs, ref, max_tokens: int, runner) -> None:
         g.replay()
         torch.cuda.synchronize()
         _assert_close(out if isinstance(out, torch.Tensor) else static[-1], ref(*static))
-    assert len(sm90.cache_keys()) == keys, "a kernel was compiled after warm-up"
+    assert len(jit.cached_keys()) == keys, "a kernel was compiled after warm-up"
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 1536, 4096), (16, 4096, 8192), (129, 1024, 512)])
@@ -195,7 +195,7 @@ def _case(name: str):
     ],
 )
 def test_second_call_allocates_only_the_op_outputs(name: str) -> None:
-    """Issue #7: after warm-up, a runner's sm90 hot path (`runner._impl`, the backend past the
+    """After warm-up, a runner's sm90 hot path (`runner._impl`, the backend past the
     input checks) allocates nothing but its result (allocation.all.allocated counts every
     caching-allocator allocation); intermediates, split-K buffers, routing buffers and the MoE
     combine accumulator come from the warm-up workspaces. Fresh data on the second call, and

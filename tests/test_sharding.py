@@ -1,4 +1,4 @@
-"""Tensor/expert-parallel slicing of NVFP4 checkpoint tensors, on the CPU (issue 10's CPU part).
+"""Tensor/expert-parallel slicing of NVFP4 checkpoint tensors, on the CPU.
 
 vLLM shards a column-parallel NVFP4 linear along N (packed rows and their block-scale rows), a
 row-parallel one along K (packed bytes K/2 and block-scale columns K/16, so a shard's K must be a
@@ -58,7 +58,7 @@ def test_row_shard_refuses_split_blocks() -> None:
         _row_shard(packed, sf, 0, 3)
 
 
-# A rank's slice through a real backend on one GPU (issue 10: "single-GPU runs of a rank's slice").
+# A rank's slice through a real backend on one GPU.
 BACKENDS = ["reference", pytest.param("sm90", marks=pytest.mark.sm90)]
 
 

@@ -15,32 +15,37 @@ from nvfp4_data import assert_close_to_ref, bf16, fresh_gen, quantized, sm90_lau
 from nvfp4_data import no_reserve as _no_reserve
 from nvfp4_data import warm_and_poison as _warm
 
-from cutedsl import reference, sm90, sm90_runners, workspace
+from cutedsl import reference, workspace
 from cutedsl.grouped_oproj import Nvfp4GroupedOproj
 from cutedsl.linear import Nvfp4Linear
 from cutedsl.moe import Nvfp4MoE
 from cutedsl.shared_mlp import Nvfp4SharedMlp
+from cutedsl.sm90 import gemm, routing, swiglu, tactics
+from cutedsl.sm90 import runners as sm90_runners
 from cutedsl.workspace import Workspace, WorkspaceError
 
 LIMIT = 10.0
+H200 = tactics.GpuSpec("NVIDIA H200", 132)
 
 
 @pytest.fixture
 def emulated_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`sm90._launch` as torch: out3[l] = a3[l] · dequant(wp[l])ᵀ (dense / groups), or per expert
+    """`gemm._launch` as torch: out3[l] = a3[l] · dequant(wp[l])ᵀ (dense / groups), or per expert
     rows [offs[e], offs[e+1]) of a3[0] (MoE); rows outside the experts are left untouched.
-    `sm90.warmup` does not compile; the shared workspaces start empty."""
+    `gemm.precompile` does not compile; tactics are chosen for an H200; the shared workspaces
+    start empty."""
     monkeypatch.setattr(workspace, "_SHARED", {})
-    monkeypatch.setattr(sm90, "warmup", lambda tactics: None)
-    monkeypatch.setattr(sm90, "_launch", sm90_launch_emulator())
+    monkeypatch.setattr(gemm, "precompile", lambda tactics: None)
+    monkeypatch.setattr(gemm, "_launch", sm90_launch_emulator())
+    monkeypatch.setattr(sm90_runners, "gpu_spec", lambda device: H200)
 
 
 def test_linear(emulated_launch, monkeypatch) -> None:
     g = fresh_gen()
     n, k = 128, 4096  # decode M: the heuristic splits K (in the kernel: no scratch)
     r = Nvfp4Linear(*(wq := quantized(n, k, gen=g)), backend="reference")
-    impl = sm90_runners.linear_impl(r)
-    assert sm90.launch_tactic(9, n, k, 1, False)[2] > 1
+    impl = sm90_runners.Linear(r)
+    assert tactics.launch_tactic(9, n, k, 1, False, H200).split_k > 1
     impl.warmup(16)
     for m in (9, 16, 40):  # a linear reserves nothing: more rows than warmed up still run
         x = bf16(m, k, gen=g)
@@ -55,7 +60,7 @@ def test_grouped_oproj(emulated_launch, monkeypatch) -> None:
     t, grp, d, rr = 5, 4, 128, 64
     wq = quantized(grp * rr, d, gen=g)
     r = Nvfp4GroupedOproj(*wq, n_groups=grp, backend="reference")
-    impl = sm90_runners.grouped_oproj_impl(r)
+    impl = sm90_runners.GroupedOproj(r)
     _warm(impl, 8)
     for tt in (t, 8):
         x = bf16(tt, grp, d, gen=g)
@@ -74,7 +79,7 @@ def test_grouped_oproj_run_rotates_into_the_workspace(emulated_launch, monkeypat
     wq = quantized(grp * rr, nh * hd // grp, gen=g)
     ref = Nvfp4GroupedOproj(*wq, n_groups=grp, backend="reference")
     r = Nvfp4GroupedOproj(*wq, n_groups=grp, head_dim=hd, backend="reference")
-    r.backend, r._impl = "sm90", sm90_runners.grouped_oproj_impl(r)  # the sm90 glue, emulated
+    r.backend, r._impl = "sm90", sm90_runners.GroupedOproj(r)  # the sm90 glue, emulated
     r.warmup(8)
     for ws in (workspace.for_role(torch.device("cpu"), "main"),):
         for b in ws._bufs.values():
@@ -117,7 +122,7 @@ def test_shared_mlp(emulated_launch, monkeypatch) -> None:
     h, i = 128, 64
     w13, w2 = quantized(2 * i, h, gen=g), quantized(h, i, gen=g, scale=0.3)
     r = Nvfp4SharedMlp(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="reference")
-    impl = sm90_runners.shared_mlp_impl(r)
+    impl = sm90_runners.SharedMlp(r)
     _warm(impl, 6)
     assert set(workspace._SHARED) == {(torch.device("cpu"), "shared")}  # not "main"
     for m in (6, 3):
@@ -136,7 +141,7 @@ def test_swiglu_chunks_match_out_of_place(monkeypatch) -> None:
     gate, up = hh[:, :48].float(), hh[:, 48:].float()
     want = (torch.nn.functional.silu(gate.clamp(max=LIMIT)) * up.clamp(-LIMIT, LIMIT)).bfloat16()
     tmp = torch.full((2, 8, 48), float("nan"))
-    got = sm90_runners.swiglu_clamp_bf16(hh, LIMIT, torch.full_like(want, float("nan")), tmp)
+    got = swiglu.swiglu_clamp_bf16(hh, LIMIT, torch.full_like(want, float("nan")), tmp)
     assert torch.equal(got, want)
 
 
@@ -146,7 +151,7 @@ def test_moe(emulated_launch, monkeypatch, case: str) -> None:
     e, h, i, k, max_m = 5, 128, 64, 3, 11
     w13, w2 = quantized(e, 2 * i, h, gen=g, scale=0.5), quantized(e, h, i, gen=g, scale=0.3)
     r = Nvfp4MoE(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="reference")
-    impl = sm90_runners.moe_impl(r)
+    impl = sm90_runners.MoE(r)
     monkeypatch.setattr(sm90_runners, "CHUNK", 8)  # several SwiGLU / combine chunks
     _warm(impl, max_m)
     for m in (max_m, 4):
@@ -170,17 +175,16 @@ def test_moe(emulated_launch, monkeypatch, case: str) -> None:
 def test_route_into_workspace_matches_fresh() -> None:
     """route() with a reserved (poisoned) workspace returns the same (offs, tok, inv) as without,
     for int32 and int64 ids; the CPU order is stable (assignment order inside an expert)."""
-    from cutedsl.moe import route, route_reserve
 
     g = fresh_gen()
     e, m, k = 6, 17, 4
     ids = torch.randint(-1, e, (m, k), generator=g).int()
     ws = Workspace("cpu", "t")
-    route_reserve(ws, 2 * m * k, e)
+    routing.route_reserve(ws, 2 * m * k, e)
     for b in ws._bufs.values():
         b.fill_(0xFF)
-    want = route(ids, e)
-    for got in (route(ids, e, ws), route(ids.long(), e, ws)):
+    want = routing.route(ids, e)
+    for got in (routing.route(ids, e, ws), routing.route(ids.long(), e, ws)):
         for a, b in zip(got, want):
             assert torch.equal(a, b)
     flat = ids.reshape(-1).long()
@@ -201,7 +205,7 @@ def test_moe_strided_operands(emulated_launch, monkeypatch) -> None:
     e, h, i, k, m = 4, 128, 64, 2, 5
     w13, w2 = quantized(e, 2 * i, h, gen=g, scale=0.5), quantized(e, h, i, gen=g, scale=0.3)
     r = Nvfp4MoE(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="reference")
-    impl = sm90_runners.moe_impl(r)
+    impl = sm90_runners.MoE(r)
     _warm(impl, m)
     x = bf16(m, h, gen=g, scale=2.0)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()

@@ -1,5 +1,5 @@
-"""The clamped SwiGLU between the MLP GEMMs: `cutedsl.sm90_runners.swiglu_clamp` (the CuTeDSL kernel
-of `cutedsl.kernels.swiglu`, any CUDA arch) against an independent float64 statement of DSv4's
+"""The clamped SwiGLU between the MLP GEMMs: `cutedsl.sm90.swiglu.swiglu_clamp` (the CuTeDSL kernel
+of `cutedsl.sm90.kernels.swiglu`, any CUDA arch) against an independent float64 statement of DSv4's
 activation, and against the fp32 torch statement it replaces (`swiglu_clamp_bf16`); the input
 checks on the CPU."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from nvfp4_data import fresh_gen
 
-from cutedsl import sm90_runners as R
+from cutedsl.sm90 import swiglu as R
 
 LIMIT = 10.0
 

@@ -338,18 +338,20 @@ def _sm90_emulated(on: bool):
         yield
         return
     import cutedsl.runner
-    from cutedsl import sm90
+    from cutedsl.sm90 import gemm, runners, tactics
 
     sys.path.insert(0, str(REPO / "tests"))
     from nvfp4_data import sm90_launch_emulator
 
-    saved = (cutedsl.runner.select_backend, sm90.warmup, sm90._launch)
+    h200 = tactics.GpuSpec("NVIDIA H200", 132)
+    saved = (cutedsl.runner.select_backend, gemm.precompile, gemm._launch, runners.gpu_spec)
     cutedsl.runner.select_backend = lambda device, backend: "sm90"
-    sm90.warmup, sm90._launch = (lambda tactics: None), sm90_launch_emulator()
+    gemm.precompile, gemm._launch = (lambda tactics: None), sm90_launch_emulator()
+    runners.gpu_spec = lambda device: h200
     try:
         yield
     finally:
-        cutedsl.runner.select_backend, sm90.warmup, sm90._launch = saved
+        cutedsl.runner.select_backend, gemm.precompile, gemm._launch, runners.gpu_spec = saved
 
 
 def _broken_load(model, weights, variant: str) -> dict:

@@ -23,9 +23,9 @@ class KernelTarget:
 
 # Modules that define check_targets(); a module missing here is a module CI does not compile.
 KERNEL_MODULES: tuple[str, ...] = (
-    "cutedsl.kernels.gemm_sm90",
-    "cutedsl.kernels.gemm_sm100",
-    "cutedsl.kernels.quant_sm100",
-    "cutedsl.kernels.moe_routing",
-    "cutedsl.kernels.swiglu",
+    "cutedsl.sm90.kernels.gemm",
+    "cutedsl.sm90.kernels.moe_routing",
+    "cutedsl.sm90.kernels.swiglu",
+    "cutedsl.sm100.kernels.gemm",
+    "cutedsl.sm100.kernels.quant",
 )

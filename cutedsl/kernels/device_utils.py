@@ -2,24 +2,8 @@
 
 Everything here is a `@dsl_user_op` on 32-bit integer registers, so the kernels can move raw bits
 through shared memory and registers without CuTe layouts getting in the way; `warp_inclusive_scan`
-is the one `cute.jit` helper (the routing kernel's and the MoE GEMM's scans).
-
-NVFP4 -> BF16 on sm_90a (no `cvt ... e2m1x2` there, research/cutedsl.md §4b) uses the sm90 weight
-encoding of `cutedsl.sm90` (documented there; `cutedsl.sm90.decode_emulated` is the host model of
-the two functions below):
-- one 32-bit word W holds 8 e2m1 codes as 4 bf16x2 pairs p = 0..3. Pair p is W rotated left by
-  ROT[p] and masked with BF16X2_MASK: each code's sign lands on bit 15 (31) and its 3 magnitude bits
-  e1 e0 m on bits 8..6 (24..22), the low exponent bits and the top mantissa bit of a bf16. That bf16
-  is e2m1 · 2^-126 (code 1 = 0.5 is the bf16 subnormal 2^-127). Pair 3 takes e1 from a second
-  rotation (no fourth disjoint rotation exists);
-- a block scale is an 8-bit "e5m3" code (value 2^E (1 + m/8), code (E+10) << 3 | m); `prmt` with
-  the constant byte 0x07 then `<< 4` gives the bf16 2^(E+107) (1 + m/8) = scale · 2^107 (a zero
-  scale's 16 codes are stored as 0, so its bf16 image never matters);
-- `mul.rn.bf16x2` of the two is exactly e2m1 · scale · 2^-19 (at most 6 significant bits, normal
-  range); the epilogue multiplies by the global scale · 2^19 (DECODE_BIAS).
-The kernel uses the `_s2` / `x2` forms: two scale images per word, each half broadcast in the
-multiply's operand. They give the same products; the host model mirrors the one-scale forms and
-a CPU test checks that the two forms' scale images agree.
+is the one `cute.jit` helper (a warp's inclusive prefix sum). The SM90 weight decode built on
+`asm` lives with its kernel (`cutedsl.sm90.kernels.decode`).
 """
 
 from __future__ import annotations
@@ -30,14 +14,6 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
-
-BF16X2_MASK = 0x81C081C0  # sign bit and 3 magnitude bits of each bf16 half
-ROT = (0, 4, 10, 6)  # left rotation of pair p; pair 3 takes e1 (bits 8 / 24) from ROT3_E1 instead
-ROT3_E1 = 14
-MASK3 = 0x80C080C0  # pair 3: sign, e0, m from ROT[3]
-MASK3_E1 = 0x01000100  # pair 3: e1 from ROT3_E1
-SCALE_HI = 0x07  # prmt'd above each e5m3 code: exponent + 224 after << 4
-DECODE_BIAS = 2.0**19  # e2m1 · scale = the decoded bf16 product · DECODE_BIAS
 
 
 def asm(
@@ -65,7 +41,7 @@ def asm(
     )
 
 
-def _asm_i32xn(
+def asm_i32xn(
     n: int, args: list, text: str, in_constraints: str, *, side_effects=False, loc=None, ip=None
 ) -> tuple[Int32, ...]:
     """Inline PTX with `n` 32-bit outputs ($0..$n-1) and 32-bit inputs ($n..)."""
@@ -74,109 +50,6 @@ def _asm_i32xn(
     cons = ",".join(["=r"] * n) + ("," + in_constraints if in_constraints else "")
     res = asm(ty, ops, text, cons, side_effects=side_effects, loc=loc, ip=ip)
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(n))
-
-
-@dsl_user_op
-def nvfp4x8_to_bf16x2x4(
-    w: Int32, scale_lo: Int32, scale_hi: Int32, *, loc=None, ip=None
-) -> tuple[Int32, Int32, Int32, Int32]:
-    """(One scale per word: kernels before 2026-12-03's `_s2` form, kept so A/B runs against
-    them still build; `cutedsl.sm90.decode_emulated` models these bit operations.)
-    Decode one sm90-encoded word of 8 e2m1 codes into 4 bf16x2 words (pair p = 0..3, low half =
-    the lower K index), pairs 0-1 times `scale_lo`, pairs 2-3 times `scale_hi` (bf16x2 scale words
-    from `e5m3x4_to_bf16x2x4`): 9 integer ops and 4 bf16x2 multiplies."""
-    m = f"{BF16X2_MASK:#x}"
-    text = (
-        "{\n"
-        ".reg .b32 t, u;\n"
-        f"and.b32 t, $4, {m};\n"
-        "mul.rn.bf16x2 $0, t, $5;\n"
-        f"shf.l.wrap.b32 t, $4, $4, {ROT[1]};\n"
-        f"and.b32 t, t, {m};\n"
-        "mul.rn.bf16x2 $1, t, $5;\n"
-        f"shf.l.wrap.b32 t, $4, $4, {ROT[2]};\n"
-        f"and.b32 t, t, {m};\n"
-        "mul.rn.bf16x2 $2, t, $6;\n"
-        f"shf.l.wrap.b32 t, $4, $4, {ROT[3]};\n"
-        f"shf.l.wrap.b32 u, $4, $4, {ROT3_E1};\n"
-        f"and.b32 u, u, {MASK3_E1:#x};\n"
-        f"lop3.b32 t, u, t, {MASK3:#x}, 0xF8;\n"  # u | (t & MASK3)
-        "mul.rn.bf16x2 $3, t, $6;\n"
-        "}"
-    )
-    return _asm_i32xn(4, [w, scale_lo, scale_hi], text, "r,r,r", loc=loc, ip=ip)
-
-
-@dsl_user_op
-def nvfp4x8_to_bf16x2x4_s2(w: Int32, scales: Int32, *, loc=None, ip=None) -> tuple[Int32, ...]:
-    """`nvfp4x8_to_bf16x2x4` with both block scales in one bf16x2 word (`e5m3x4_to_bf16x2x2`):
-    pairs 0-1 times its low half, pairs 2-3 times its high half, each half broadcast in the
-    multiply's operand (no instruction of its own in SASS)."""
-    m = f"{BF16X2_MASK:#x}"
-    text = (
-        "{\n"
-        ".reg .b32 t, u, sl, sh;\n"
-        ".reg .b16 h0, h1;\n"
-        "mov.b32 {h0, h1}, $5;\n"
-        "mov.b32 sl, {h0, h0};\n"
-        "mov.b32 sh, {h1, h1};\n"
-        f"and.b32 t, $4, {m};\n"
-        "mul.rn.bf16x2 $0, t, sl;\n"
-        f"shf.l.wrap.b32 t, $4, $4, {ROT[1]};\n"
-        f"and.b32 t, t, {m};\n"
-        "mul.rn.bf16x2 $1, t, sl;\n"
-        f"shf.l.wrap.b32 t, $4, $4, {ROT[2]};\n"
-        f"and.b32 t, t, {m};\n"
-        "mul.rn.bf16x2 $2, t, sh;\n"
-        f"shf.l.wrap.b32 t, $4, $4, {ROT[3]};\n"
-        f"shf.l.wrap.b32 u, $4, $4, {ROT3_E1};\n"
-        f"and.b32 u, u, {MASK3_E1:#x};\n"
-        f"lop3.b32 t, u, t, {MASK3:#x}, 0xF8;\n"
-        "mul.rn.bf16x2 $3, t, sh;\n"
-        "}"
-    )
-    return _asm_i32xn(4, [w, scales], text, "r,r", loc=loc, ip=ip)
-
-
-@dsl_user_op
-def e5m3x4_to_bf16x2x2(s: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32]:
-    """The 4 e5m3 scale codes of `s` as two bf16x2 words (codes 0, 1 and codes 2, 3; the lower
-    code in the low half): the same bf16 images as `e5m3x4_to_bf16x2x4`, two per word (one
-    `<< 4` shifts both halves: the low half's top nibble is 0)."""
-    hi = SCALE_HI * 0x01010101
-    text = (
-        "{\n"
-        ".reg .b32 k, t;\n"
-        f"mov.b32 k, {hi:#x};\n"
-        "prmt.b32 t, $2, k, 0x4140;\n"
-        "shl.b32 $0, t, 4;\n"
-        "prmt.b32 t, $2, k, 0x4342;\n"
-        "shl.b32 $1, t, 4;\n"
-        "}"
-    )
-    return _asm_i32xn(2, [s], text, "r", loc=loc, ip=ip)
-
-
-@dsl_user_op
-def e5m3x4_to_bf16x2x4(s: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
-    """The 4 e5m3 scale codes (bytes 0..3 of `s`) as bf16x2 words, each code in both halves:
-    (0x07 << 8 | code) << 4 is the bf16 image of scale · 2^107."""
-    hi = SCALE_HI * 0x01010101
-    text = (
-        "{\n"
-        ".reg .b32 k, t;\n"
-        f"mov.b32 k, {hi:#x};\n"
-        "prmt.b32 t, $4, k, 0x4040;\n"
-        "shl.b32 $0, t, 4;\n"
-        "prmt.b32 t, $4, k, 0x4141;\n"
-        "shl.b32 $1, t, 4;\n"
-        "prmt.b32 t, $4, k, 0x4242;\n"
-        "shl.b32 $2, t, 4;\n"
-        "prmt.b32 t, $4, k, 0x4343;\n"
-        "shl.b32 $3, t, 4;\n"
-        "}"
-    )
-    return _asm_i32xn(4, [s], text, "r", loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -193,7 +66,7 @@ def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
 def ld_shared_v2_b32(addr: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32]:
     """64-bit load (two 32-bit words) from a shared-memory byte address (8-byte aligned); volatile
     like `ld_shared_b32`."""
-    return _asm_i32xn(
+    return asm_i32xn(
         2, [addr], "ld.shared.v2.b32 {$0, $1}, [$2];", "r", side_effects=True, loc=loc, ip=ip
     )
 
@@ -265,7 +138,7 @@ def stmatrix_x4_trans(addr: Int32, words: tuple, *, loc=None, ip=None) -> None:
 def ld_shared_v4_b32(addr: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
     """128-bit load (four 32-bit words) from a shared-memory byte address (16-byte aligned);
     volatile, so it stays after the barrier that makes the data visible."""
-    return _asm_i32xn(
+    return asm_i32xn(
         4,
         [addr],
         "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",

@@ -30,7 +30,7 @@ Combine (`MoeCombineKernel`, one CTA of COMBINE_THREADS threads per token, VEC =
   out  (M, H)       bf16   out[m] = bf16( sum_{s = 0..topk-1, inv[s, m] >= 0} w[m, s] * y[inv[s, m]] )
 The sum is fp32, in slot order s = 0, 1, ..., each step a separately rounded multiply and add
 (`mul.rn.f32` then `add.rn.f32`: no FMA contraction), starting from +0. This is exactly the torch
-statement `acc = acc + w[:, s, None] * y[inv[s]].float()` (`cutedsl.moe.combine` on the CPU), and it
+statement `acc = acc + w[:, s, None] * y[inv[s]].float()` (`cutedsl.sm90.routing.combine` on the CPU), and it
 has no atomics: deterministic.
 
 Compile-time: nothing (THREADS, VEC, the arch). Runtime: T, M, topk, E, H, R (tensor extents),

@@ -4,7 +4,7 @@ Legend: M rows, I intermediate size.
   h   (M, 2I)  bf16  the L1 GEMM output, gate columns [0, I) then up columns [I, 2I)
   out (M, I)   bf16  out[m, i] = bf16( silu(min(g, L)) * clamp(u, -L, L) ),
                      g = float(h[m, i]), u = float(h[m, I + i]), silu(x) = x / (1 + exp(-x))
-All in fp32, in the order of the torch statement it replaces (`cutedsl.sm90_runners.
+All in fp32, in the order of the torch statement it replaces (`cutedsl.sm90.swiglu.
 swiglu_clamp_bf16`: bf16 -> fp32 copies, clamps, `silu`, `mul`, the bf16 copy): the clamps are
 exact, exp is libdevice's accurate `expf` (range reduction around ex2, not the bare
 ex2.approx of fast math), the division is IEEE `div.rn`, the result rounds to nearest bf16. The

@@ -5,7 +5,7 @@ Legend: M tokens, N out features, K in features (logical; packed bytes K//2), L 
 
 Math (per group l):  out[l][m, n] = gs[l] * sum_k a[l][m, k] * (e2m1(w[l][n, k]) * sf[l][n, k // 16])
   a   (M, K, L)    bf16, K-major                     activations
-  w   (N, K/2, L)  uint8, K-major, the sm90 weight encoding (cutedsl.sm90 module docstring)
+  w   (N, K/2, L)  uint8, K-major, the sm90 weight encoding (cutedsl.sm90.weight)
   sf  (N, K/64, L) int32, N-major, 4 e5m3 block-scale codes per word (same docstring)
   gs  (L,)         fp32 global scale (weight_scale_2), applied in the epilogue
   out (N, M, L)    bf16 view of a row-major (L, M, N) tensor
@@ -32,11 +32,7 @@ dequantization from the MMA. The fragments are double-buffered: while the WGMMAs
 the threads decode tile k+1 into the other fragment. The K loop is unrolled by whole passes over
 the ring, so every stage index, barrier and shared-memory offset and the fragment choice are
 compile-time, and each bf16x2 scale word carries two block scales (the multiplies broadcast its
-halves as operands). Decode is bound by these instructions per weight, not by DRAM (H200
-2026-12-03, bench/results/h200_2026-12-03_session7): together 1.06x geomean, up to 1.10x. Without
-any decode (bench/experiments/ablate_variants.py, session 8) the kernel runs 1.14-1.26x faster.
-Without the shared loads too, the skeleton of TMA, barriers and WGMMA reaches 86-88 % of a
-same-bytes copy on the routed experts.
+halves as operands; `decode`).
 
 Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n consumer threads
 (tile_n / 64 warpgroups) and, for the decode tiles, one producer warp:
@@ -47,9 +43,7 @@ Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n cons
     one release per two K tiles; else 1) has a full and an empty mbarrier, driven by their
     shared::cta addresses (device_utils.mbar_*; the stage index is compile-time in the unrolled
     loop, the phase a loop-carried integer), not cutlass.pipeline's PipelineTmaAsync, which
-    re-derives each barrier's address per call. Before the unroll that alone was 14 % fewer
-    instructions per two K tiles (MoE 128x16) and H200 2026-12-03 geomean 1.04x on the Flash
-    shapes (decode 1.04x, routed decode 1.08x, up to 1.20x; bench/experiments/ab_kernel.py).
+    re-derives each barrier's address per call.
   - every warpgroup issues 4 RS-WGMMA (64 x tile_m x 16) per K tile and keeps one group in flight.
   - epilogue: acc * gs -> bf16, predicated on the token count. Unsplit dense / grouped tiles
     stage the bf16 tile in the idle ring (`_staged_epilogue`: stmatrix, then 16-byte stores of
@@ -75,6 +69,8 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from cutedsl.kernels import device_utils as du
 from cutedsl.kernels.checks import KernelTarget
+from cutedsl.sm90.kernels import decode as dec
+from cutedsl.sm90.weight import DECODE_BIAS
 
 BK = 64  # logical K per pipeline stage (one 128-byte swizzle atom of bf16)
 MAX_SPLIT_K = 8  # a split-K cluster is at most the portable cluster size
@@ -85,7 +81,7 @@ def moe_grid_y(rows, experts, tile_m, min_fn=min):
     """The MoE grid.y: every expert's m tiles, numbered in expert order, number at most
     sum_e ceil(rows_e / tile_m) <= (experts with rows) + rows // tile_m <= min(E, rows) +
     rows // tile_m. `min_fn` is `cutlass.min` in the kernel (the host copy is
-    `cutedsl.sm90.moe_tile_bound`; a CPU test keeps the two equal)."""
+    `cutedsl.sm90.tactics.moe_tile_bound`; a CPU test keeps the two equal)."""
     return min_fn(experts, rows) + rows // tile_m
 
 
@@ -119,8 +115,8 @@ class Sm90Nvfp4W4A16GemmKernel:
         # A producer warp (the last) issues the TMA loads; without it warp 0 refills the ring
         # between its steps, waiting for the slowest warp's release, and its warpgroup waits for
         # it. The extra warp costs a CTA per SM where registers bound the CTAs: by default it is
-        # on where it did not (H200 2026-12-03, bench/results/h200_2026-12-03_session8:
-        # routed decode 1.03-1.08x, dense decode up to 1.09x, outputs bit-identical) and off for
+        # on where it did not (H200 2026-12-03: routed decode 1.03-1.08x, dense decode up to
+        # 1.09x, outputs bit-identical) and off for
         # 128x32 (74 registers: 3 CTAs of 256 threads per SM, 2 of 288; 0.90-0.92x) and the
         # prefill tiles (128x128: 122 registers, one CTA per SM instead of two).
         if producer is None:
@@ -133,8 +129,8 @@ class Sm90Nvfp4W4A16GemmKernel:
             raise ValueError(f"the ring needs >= 2 stages, got {self.stages}")
         # K tiles per barrier stage: with 2, one full / empty barrier pair covers two K tiles of
         # the ring (one wait and one release per two K tiles); the producer warp loads them. By
-        # default only on 128x16, where it measured faster (H200 2026-12-03, session 8: routed
-        # decode 1.02-1.04x, wq_b up to 1.03x, bit-identical); on the 64-row decode tiles it was
+        # default only on 128x16, where it measured faster (H200 2026-12-03: routed decode
+        # 1.02-1.04x, wq_b up to 1.03x, bit-identical); on the 64-row decode tiles it was
         # mixed (0.98-1.02x: the split-K CTAs' short K loops refill in coarser steps).
         if k_per_stage is None:
             k_per_stage = 2 if (tile_n, tile_m) == (128, 16) and self.producer else 1
@@ -159,8 +155,8 @@ class Sm90Nvfp4W4A16GemmKernel:
             tile_m % (16 * split_k) == 0
             and self.stage_off + tile_m // split_k * self.pitch <= self.stages * tile_m * BK * 2
         )
-        # By default only where it measured faster than the register stores (H200, 2026-12-03,
-        # bench/experiments/staged_split_moe.py): unsplit, MoE, and split-K 2 (1.01-1.07x). With
+        # By default only where it measured faster than the register stores (H200 2026-12-03):
+        # unsplit, MoE, and split-K 2 (1.01-1.07x). With
         # 4 or 8 splits each CTA's slice is small and the extra CTA barrier and shared-memory pass
         # cost more than they save (0.85-0.98x).
         default = staged_ok and split_k <= 2
@@ -183,7 +179,7 @@ class Sm90Nvfp4W4A16GemmKernel:
     def _compute_stages(tile_n: int, tile_m: int) -> int:
         """The deepest ring (<= 8 stages) with which two CTAs share an SM, where their registers
         allow it (tile_n 64, or tile_m <= 128: <= 128 registers for 256 threads) and it keeps >= 4
-        stages; else the deepest ring that fits. H200 2026-12-03 (bench/experiments/stages.py):
+        stages; else the deepest ring that fits. H200 2026-12-03:
         128x128 with 5 stages (two CTAs) is 1.23x faster than with 8 (one) on wq_b at M = 128 and
         1024, and never slower; 64x256 with 3 stages (two CTAs) is 1.15x faster at M = 4096 but
         1.18x slower at M = 256 (a small grid wants depth), hence the >= 4."""
@@ -193,12 +189,6 @@ class Sm90Nvfp4W4A16GemmKernel:
         if (tile_n == 64 or tile_m <= 128) and shared >= 4:
             return shared
         return deepest
-
-    def _weight_view(self, w: cute.Tensor) -> cute.Tensor:
-        """The weight tensor the TMA reads: `w` itself. The hook lets experiments time other
-        global layouts (bench/experiments/ablate_variants.py: contiguous tile blocks, H200
-        2026-12-03: not faster)."""
-        return w
 
     @staticmethod
     def split_error(tile_m: int, split_k: int, moe: bool) -> str | None:
@@ -261,7 +251,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         )
         tma_q, mQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s,
-            self._weight_view(w),
+            w,
             cute.slice_(self.sq_layout, (None, None, 0)),
             (self.tile_n, BK // 2),
         )
@@ -463,7 +453,7 @@ class Sm90Nvfp4W4A16GemmKernel:
                 )  # fmt: skip
 
             # ------------------------------------------------------------ epilogue
-            scale = mGS[grp] * du.DECODE_BIAS  # the decode's products are e2m1·sf·2^-19
+            scale = mGS[grp] * DECODE_BIAS  # the decode's products are e2m1·sf·2^-19
             mC_cta = mC
             if cutlass.const_expr(self.moe):
                 mC_cta = cute.domain_offset((0, row_start, 0), mC)
@@ -707,10 +697,10 @@ class Sm90Nvfp4W4A16GemmKernel:
         q_base = sQ_addr + stage * (self.tile_n * BK // 2) + q_off
         s_base = sS_addr + stage * (self.tile_n * 4) + s_off
         for rr in cutlass.range_constexpr(2):  # rows row0, row0 + 8
-            sw = du.e5m3x4_to_bf16x2x2(du.ld_shared_b32(s_base + rr * 8 * 4))
+            sw = dec.e5m3x4_to_bf16x2x2(du.ld_shared_b32(s_base + rr * 8 * 4))
             u0, u1 = du.ld_shared_v2_b32(q_base + rr * 8 * (BK // 2))
             for q, u in ((0, u0), (1, u1)):  # K blocks 2q, 2q + 1
-                w0, w1, w2, w3 = du.nvfp4x8_to_bf16x2x4_s2(u, sw[q])
+                w0, w1, w2, w3 = dec.nvfp4x8_to_bf16x2x4(u, sw[q])
                 # fragment reg (v1 = row + 8, v2 = k + 8) + 4 * k16 block
                 f32[rr + 0 + 4 * (2 * q)] = w0
                 f32[rr + 2 + 4 * (2 * q)] = w1
@@ -813,12 +803,11 @@ def compile_kernel(
     stages: int | None = None,
     producer: bool | None = None,
     k_per_stage: int | None = None,
-    kernel_cls: type | None = None,
 ) -> object:
     """cute.compile one variant from fake tensors (TVM-FFI, env stream); `staged_epilogue`,
-    `stages`, `producer` and `k_per_stage` override the kernel's defaults, and `kernel_cls` (a
-    subclass) replaces the kernel (experiments: bench/experiments/ablate_variants.py)."""
-    kernel = (kernel_cls or Sm90Nvfp4W4A16GemmKernel)(
+    `stages`, `producer` and `k_per_stage` override the kernel's defaults (the GPU tests cover
+    both sides of each default), `no_jit_engine` compiles without loading (no GPU needed)."""
+    kernel = Sm90Nvfp4W4A16GemmKernel(
         tile_n=tile_n,
         tile_m=tile_m,
         split_k=split_k,

@@ -1,0 +1,168 @@
+"""Launch the SM90 NVFP4 W4A16 GEMMs (`cutedsl.sm90.kernels.gemm`) on torch tensors.
+
+Legend: M tokens, N out features, K in features (logical; packed bytes K//2), G groups (wo_a),
+E experts, T routed rows (MoE).
+
+  linear(a[M, K], wp) -> [M, N]                                   (attention projections, MLPs)
+  grouped(a[G, M, K], wp(G groups)) -> [G, M, N]                  (wo_a)
+  moe(a[T, K], offs[E+1] int32 on the device, wp(E groups)) -> [T, N]   (routed experts)
+
+BF16 activations and outputs, fp32 accumulation; `wp` is a `cutedsl.sm90.weight.Weight`. Without a
+forced `tactic`, a launch takes `tactics.launch_tactic` for its M on its GPU.
+Compile cache: `cutedsl.jit`, keyed on the compile-time values only (the Tactic and the MoE flag);
+M, N, K, the group count, strides and addresses are runtime values (fake tensors with symbolic
+extents), so one compile serves every token count and routing. CUDA graphs: `precompile` the
+tactics (the runners' `warmup(max_tokens)` does) before capture; a launch allocates only the
+outputs not given (split-K reduces through distributed shared memory: no scratch), never syncs
+with the host and never compiles once warm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from cutedsl import jit
+from cutedsl.sm90.tactics import (
+    MAX_GRID_Y,
+    TILE_M_VERIFIED,
+    Tactic,
+    gpu_spec,
+    launch_tactic,
+    moe_tile_bound,
+)
+from cutedsl.sm90.weight import Weight
+from cutedsl.validate import check_tensor
+
+
+def _build(tile_n: int, tile_m: int, split_k: int, moe: bool) -> object:
+    from cutedsl.sm90.kernels.gemm import compile_kernel
+
+    return compile_kernel(tile_n, tile_m, split_k, moe)
+
+
+def kernel(tactic: Tactic, moe: bool) -> object:
+    """The compiled kernel of one tactic (compiled on first use; `jit`)."""
+    return jit.compiled(_build, tactic.tile_n, tactic.tile_m, tactic.split_k, moe)
+
+
+def precompile(tactics: Iterable[tuple[Tactic, bool]]) -> None:
+    """Compile (tactic, moe) variants before CUDA-graph capture."""
+    for tactic, moe in tactics:
+        kernel(tactic, moe)
+
+
+def _check_a(a: torch.Tensor, ndim: int, k: int) -> None:
+    check_tensor("a", a, (None,) * (ndim - 1) + (k,), (torch.bfloat16,), contiguous=True)
+
+
+_DUMMY: dict[tuple, torch.Tensor] = {}
+
+
+def _dummy(device: torch.device, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    key = (device, shape, dtype)
+    t = _DUMMY.get(key)
+    if t is None:
+        t = _DUMMY[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return t
+
+
+def _launch(
+    a3: torch.Tensor,  # (La, M, K) bf16 contiguous
+    wp: Weight,
+    out3: torch.Tensor,  # (La, M, N) bf16 contiguous
+    offs: torch.Tensor | None,
+    tactic: Tactic | None,
+) -> None:
+    """Launch one GEMM (split-K tactics reduce in a thread-block cluster: no scratch)."""
+    la, m, k = a3.shape
+    moe = offs is not None
+    if tactic is None:
+        tactic = launch_tactic(m, wp.n, k, wp.groups, moe, gpu_spec(a3.device))
+    if tactic.tile_m not in TILE_M_VERIFIED:
+        raise ValueError(f"tactic {tactic}: tile_m {tactic.tile_m} not in {TILE_M_VERIFIED}")
+    if moe and tactic.split_k != 1:
+        raise NotImplementedError(f"tactic {tactic}: split-K with MoE offsets is not wired")
+    if moe and moe_tile_bound(m, wp.groups, tactic.tile_m) > MAX_GRID_Y:
+        raise ValueError(
+            f"a: {m} rows in token tiles of {tactic.tile_m} give up to "
+            f"{moe_tile_bound(m, wp.groups, tactic.tile_m)} MoE tiles, over the grid limit "
+            f"{MAX_GRID_Y}; use a larger tile_m"
+        )
+    kernel(tactic, moe)(*kernel_operands(a3, wp, out3, offs))
+
+
+def kernel_operands(
+    a3: torch.Tensor,  # (La, M, K) bf16 contiguous
+    wp: Weight,
+    out3: torch.Tensor,  # (La, M, N) bf16 contiguous
+    offs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The operands of a compiled kernel (`cutedsl.sm90.kernels.gemm.compile_kernel`) as views:
+    a (M, K, La), w (N, K/2, L), sf (N, K/64, L), gs, out (N, M, La), offs (a dummy unless MoE)."""
+    offs_t = offs if offs is not None else _dummy(a3.device, (1,), torch.int32)
+    return (
+        a3.permute(1, 2, 0),
+        wp.w.permute(1, 2, 0),
+        wp.sf.permute(2, 1, 0),
+        wp.gs,
+        out3.permute(2, 1, 0),
+        offs_t,
+    )
+
+
+def linear(
+    a: torch.Tensor,  # (M, K) bf16, contiguous
+    wp: Weight,  # one group
+    out: torch.Tensor | None = None,  # (M, N) bf16
+    tactic: Tactic | None = None,
+) -> torch.Tensor:
+    """out = a @ dequant(wp)^T, fp32 accumulation, BF16 out. M may be 0."""
+    if wp.groups != 1:
+        raise ValueError(f"wp: {wp.groups} groups, expected 1 (use grouped)")
+    _check_a(a, 2, wp.k)
+    m = a.shape[0]
+    if out is None:
+        out = a.new_empty((m, wp.n))
+    if m == 0:
+        return out
+    _launch(a.unsqueeze(0), wp, out.view(1, m, wp.n), None, tactic)
+    return out
+
+
+def grouped(
+    a: torch.Tensor,  # (G, M, K) bf16, per-group contiguous
+    wp: Weight,  # G groups
+    out: torch.Tensor | None = None,  # (G, M, N) bf16
+    tactic: Tactic | None = None,
+) -> torch.Tensor:
+    """out[g] = a[g] @ dequant(wp[g])^T for G equal groups (wo_a)."""
+    check_tensor("a", a, (wp.groups, None, wp.k), (torch.bfloat16,), contiguous=True)
+    g, m, _ = a.shape
+    if out is None:
+        out = a.new_empty((g, m, wp.n))
+    if m == 0:
+        return out
+    _launch(a, wp, out, None, tactic)
+    return out
+
+
+def moe(
+    a: torch.Tensor,  # (T, K) bf16, rows grouped by expert
+    offs: torch.Tensor,  # (E+1,) int32 on the device: expert e owns rows [offs[e], offs[e+1])
+    wp: Weight,  # E groups
+    out: torch.Tensor | None = None,  # (T, N) bf16
+    tactic: Tactic | None = None,
+) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ dequant(wp[e])^T. One compile serves every routing; rows
+    outside [offs[0], offs[E]) are not written."""
+    _check_a(a, 2, wp.k)
+    check_tensor("offs", offs, (wp.groups + 1,), (torch.int32,))
+    t = a.shape[0]
+    if out is None:
+        out = a.new_empty((t, wp.n))
+    if t == 0:
+        return out
+    _launch(a.unsqueeze(0), wp, out.view(1, t, wp.n), offs, tactic)
+    return out

@@ -1,0 +1,168 @@
+"""The sm90 implementation of each public runner: weights prepared once (`cutedsl.sm90.weight`),
+then the W4A16 kernels (`cutedsl.sm90.gemm`).
+
+Every implementation is built from its runner (`Impl(runner)`), is a callable with the runner's
+`run` signature (inputs already checked, M > 0) and has a `warmup(max_tokens)` that compiles every
+tactic `launch_tactic` can pick for 1..max_tokens rows on this GPU and reserves its scratch in its
+`cutedsl.workspace` (routed experts and grouped o-proj: role "main"; shared-expert MLP: role
+"shared", as vLLM may run it on a side stream next to the routed experts; a linear has none:
+split-K reduces inside the kernel).
+
+Hot path: no compile once warm, no lock, no host sync, no CPU tensor, no data-dependent host
+branch. The only allocations are the op results (a linear's / the shared MLP's [M, N], the
+grouped o-proj's [T, G, R]: a torch.library custom op returns new tensors; inside a CUDA graph
+they come from the graph's private pool) and a copy of a non-contiguous input. Every
+intermediate (the o-proj's per-group operand and output, routing buffers, the gathered MoE rows,
+h, the SwiGLU result, y) is a view of the workspace fetched per call; a call with more rows than
+warmed up raises `cutedsl.workspace.WorkspaceError`. The routed experts allocate nothing: routing
+and the weighted combine are kernels (`cutedsl.sm90.routing`), and the combine sums each token's
+topk contributions in slot order without atomics, so the MoE output is the same bit for bit on
+every run. The clamped SwiGLU between the two GEMMs is `cutedsl.sm90.swiglu`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cutedsl.sm90 import gemm, routing, swiglu
+from cutedsl.sm90.tactics import Tactic, gpu_spec, launch_tactic
+from cutedsl.sm90.weight import Weight, prepare_weight
+from cutedsl.workspace import Workspace, for_role
+
+# Rows per chunk of the CPU SwiGLU's fp32 scratch (bounds it to 2 x CHUNK x I fp32 whatever the
+# token count; on CUDA the SwiGLU and the MoE combine are kernels with no scratch).
+CHUNK = 4096
+# Routed rows reserved per token: topk <= 8 (DSv4 uses 6); the tactic warm-up assumes it too.
+MAX_TOPK = 8
+
+
+def _tactics(
+    wp: Weight, max_rows: int, moe: bool, device: torch.device
+) -> set[tuple[Tactic, bool]]:
+    spec = gpu_spec(device)
+    return {
+        (launch_tactic(m, wp.n, wp.k, wp.groups, moe, spec), moe) for m in range(1, max_rows + 1)
+    }
+
+
+def _mlp_reserve(ws: Workspace, rows: int, i: int) -> None:
+    ws.reserve("h", (rows, 2 * i), torch.bfloat16)
+    ws.reserve("s", (rows, i), torch.bfloat16)
+    if ws.device.type != "cuda":  # the torch statement's scratch; CUDA runs the kernel
+        ws.reserve("f32", (2, min(rows, CHUNK), i), torch.float32)
+
+
+def _swiglu(ws: Workspace, h: torch.Tensor, limit: float | None) -> torch.Tensor:
+    m, i = h.shape[0], h.shape[1] // 2
+    out = ws.get("s", (m, i), torch.bfloat16)
+    if h.is_cuda:
+        return swiglu.swiglu_clamp(h, limit, out)
+    tmp = ws.get("f32", (2, min(m, CHUNK), i), torch.float32)
+    return swiglu.swiglu_clamp_bf16(h, limit, out, tmp)
+
+
+class Linear:
+    def __init__(self, r) -> None:
+        self.wp = prepare_weight(r.weight, r.weight_scale, r.weight_scale_2)
+        self.device = r.weight.device
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # output: the op's result
+        return gemm.linear(x.contiguous(), self.wp)
+
+    def warmup(self, max_tokens: int) -> None:
+        gemm.precompile(sorted(_tactics(self.wp, max_tokens, False, self.device)))
+
+
+class GroupedOproj:
+    def __init__(self, r) -> None:
+        self.wp = prepare_weight(r.weight, r.weight_scale, r.weight_scale_2, groups=r.n_groups)
+        self.device = r.weight.device
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, G, D] → [T, G, R] (the result)
+        ws = for_role(self.device, "main")
+        t, g, d = x.shape
+        a = ws.get("a", (g, t, d), torch.bfloat16)
+        a.copy_(x.transpose(0, 1))  # per-group contiguous [G, T, D]
+        y = ws.get("h", (g, t, self.wp.n), torch.bfloat16)
+        gemm.grouped(a, self.wp, out=y)
+        out = x.new_empty((t, g, self.wp.n))
+        out.copy_(y.transpose(0, 1))
+        return out
+
+    def warmup(self, max_tokens: int) -> None:
+        gemm.precompile(sorted(_tactics(self.wp, max_tokens, False, self.device)))
+        ws = for_role(self.device, "main")
+        g, t = self.wp.groups, max_tokens
+        ws.reserve("a", (g, t, self.wp.k), torch.bfloat16)
+        ws.reserve("h", (g, t, self.wp.n), torch.bfloat16)
+
+
+class SharedMlp:
+    def __init__(self, r) -> None:
+        self.wp13 = prepare_weight(r.w13, r.w13_scale, r.w13_scale_2)
+        self.wp2 = prepare_weight(r.w2, r.w2_scale, r.w2_scale_2)
+        self.limit = r.swiglu_limit
+        self.device = r.w13.device
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ws = for_role(self.device, "shared")
+        h = ws.get("h", (x.shape[0], self.wp13.n), torch.bfloat16)
+        gemm.linear(x.contiguous(), self.wp13, out=h)
+        s = _swiglu(ws, h, self.limit)
+        return gemm.linear(s, self.wp2)  # the op's result
+
+    def warmup(self, max_tokens: int) -> None:
+        t = _tactics(self.wp13, max_tokens, False, self.device)
+        gemm.precompile(sorted(t | _tactics(self.wp2, max_tokens, False, self.device)))
+        if self.device.type == "cuda":
+            swiglu.kernel(self.limit)
+        ws = for_role(self.device, "shared")
+        _mlp_reserve(ws, max_tokens, self.wp2.k)
+
+
+class MoE:
+    def __init__(self, r) -> None:
+        self.e = r.e
+        self.wp13 = prepare_weight(r.w13, r.w13_scale, r.w13_scale_2, groups=r.e)
+        self.wp2 = prepare_weight(r.w2, r.w2_scale, r.w2_scale_2, groups=r.e)
+        self.limit = r.swiglu_limit
+        self.device = r.w13.device
+
+    def __call__(self, x, topk_ids, topk_weights, out) -> None:
+        ws = for_role(self.device, "main")
+        m, topk = topk_ids.shape
+        t, hid = m * topk, self.wp2.n
+        res = ws.get("moe.out", (m, hid), torch.bfloat16)  # first: a too-large M fails early
+        offs, tok, inv = routing.route(topk_ids, self.e, ws)
+        a = ws.get("a", (t, hid), torch.bfloat16)
+        torch.index_select(x, 0, tok, out=a)  # [M·topk, H], rows grouped by expert
+        h = ws.get("h", (t, self.wp13.n), torch.bfloat16)
+        gemm.moe(a, offs, self.wp13, out=h)
+        s = _swiglu(ws, h, self.limit)
+        y = ws.get("a", (t, hid), torch.bfloat16)  # a is dead: y reuses its memory
+        # Rows past offs[E] (non-local assignments) are not written: combine never reads them.
+        gemm.moe(s, offs, self.wp2, out=y)
+        w = topk_weights
+        if not w.is_contiguous():
+            w = ws.get("moe.w", (m, topk), torch.float32)
+            w.copy_(topk_weights)
+        direct = out.is_contiguous() and out.data_ptr() % 16 == 0
+        routing.combine(y, inv, w, out if direct else res)
+        if not direct:
+            out.copy_(res)
+
+    def warmup(self, max_tokens: int) -> None:
+        t = set()
+        for wp in (self.wp13, self.wp2):
+            t |= _tactics(wp, max_tokens * MAX_TOPK, True, self.device)
+        gemm.precompile(sorted(t))
+        if self.device.type == "cuda":
+            routing.precompile()
+            swiglu.kernel(self.limit)
+        ws = for_role(self.device, "main")
+        rows, hid = max_tokens * MAX_TOPK, self.wp2.n
+        routing.route_reserve(ws, rows, self.e)
+        ws.reserve("moe.w", (rows,), torch.float32)
+        ws.reserve("moe.out", (max_tokens, hid), torch.bfloat16)
+        ws.reserve("a", (rows, hid), torch.bfloat16)
+        _mlp_reserve(ws, rows, self.wp2.k)

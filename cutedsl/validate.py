@@ -1,0 +1,68 @@
+"""Input checks shared by the runners and both backends: each failure is one `ValueError` naming the
+tensor (or value), what was found and what was expected."""
+
+from __future__ import annotations
+
+import torch
+
+
+def require(cond: bool, msg: str) -> None:
+    """Raise ValueError(msg) unless `cond`."""
+    if not cond:
+        raise ValueError(msg)
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    shape: tuple[int | None, ...],
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device | None = None,
+    *,
+    contiguous: bool = False,
+) -> None:
+    """Raise ValueError naming `name` unless t has len(shape) dims matching `shape` (None = any),
+    one of `dtypes`, lives on `device` (if given) and, with `contiguous`, is contiguous."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    if t.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        raise ValueError(f"{name}: shape {list(t.shape)}, expected {want}")
+    if t.dtype not in dtypes:
+        names = " or ".join(_dtype_name(d) for d in dtypes)
+        raise ValueError(f"{name}: dtype {_dtype_name(t.dtype)}, expected {names}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: on {t.device}, expected {device} (where the weights are)")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: strides {list(t.stride())}, expected a contiguous tensor")
+
+
+def scalar_f32(
+    name: str, t: torch.Tensor | float | None, device: torch.device
+) -> torch.Tensor | None:
+    """A per-tensor fp32 scale as a 0-dim tensor on `device`; accepts a float, a 0-dim or a
+    one-element tensor. (vLLM keeps one scale per fused shard; callers pass their max.)"""
+    if t is None:
+        return None
+    t = torch.as_tensor(t, dtype=torch.float32, device=device)
+    if t.numel() != 1:
+        raise ValueError(f"{name}: {t.numel()} elements, expected one per-tensor fp32 scale")
+    return t.reshape(())
+
+
+def per_expert_f32(
+    name: str, t: torch.Tensor | None, e: int, device: torch.device
+) -> torch.Tensor | None:
+    """Per-expert fp32 scales [E] (a 0-dim / one-element tensor is broadcast)."""
+    if t is None:
+        return None
+    t = torch.as_tensor(t, dtype=torch.float32, device=device)
+    if t.numel() == 1:
+        return t.reshape(1).expand(e).contiguous()
+    if t.shape != (e,):
+        raise ValueError(f"{name}: shape {list(t.shape)}, expected [{e}] (one scale per expert)")
+    return t

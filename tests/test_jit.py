@@ -1,0 +1,114 @@
+"""`cutedsl.jit`, the one compile cache: the key holds every codegen argument of every kernel the
+runtime compiles (and the arch and DSL version), a key compiles once even under concurrent first
+calls, and nothing compiles during CUDA-graph capture. CPU only: builders are stand-ins or the
+real ones with their compile function replaced by a recorder."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+
+import pytest
+
+from cutedsl import jit
+from cutedsl.sm90 import gemm as sm90_gemm
+from cutedsl.sm90 import routing, swiglu
+from cutedsl.sm100 import gemm as sm100_gemm
+
+
+def _builders() -> list[tuple[object, tuple]]:
+    """(builder, one valid argument tuple) for every builder the runtime passes to jit.compiled."""
+    return [
+        (sm90_gemm._build, (128, 16, 1, False)),
+        (routing._build, ("route",)),
+        (swiglu._build, (10.0,)),
+        (sm100_gemm._build_gemm, (False, 10.0, 128)),
+        (sm100_gemm._build_quant, ()),
+    ]
+
+
+def _other_value(v: object) -> object:
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, int):
+        return v * 2
+    if isinstance(v, float):
+        return v + 1.0
+    if v is None:
+        return 1.0
+    if isinstance(v, str):
+        return v + "x"
+    raise AssertionError(f"no other value for {v!r}")
+
+
+@pytest.mark.parametrize("i", range(len(_builders())))
+def test_key_covers_every_codegen_argument(i: int) -> None:
+    build, args = _builders()[i]
+    params = list(inspect.signature(build).parameters)
+    assert len(params) == len(args), f"{build.__qualname__}: callers must pass {params} all"
+    base = jit.cache_key(build, *args)
+    for j in range(len(args)):
+        changed = list(args)
+        changed[j] = _other_value(args[j])
+        assert jit.cache_key(build, *changed) != base, f"{build.__qualname__}: {params[j]}"
+
+
+def test_keys_of_different_kernels_differ() -> None:
+    keys = [jit.cache_key(b, *a) for b, a in _builders()]
+    assert len(set(keys)) == len(keys)
+
+
+def test_key_has_arch_and_dsl_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    k90 = jit.cache_key(swiglu._build, 10.0)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    k100 = jit.cache_key(swiglu._build, 10.0)
+    assert k90 != k100 and k90[-2:] == ("sm_90a", jit.dsl_version())
+
+
+def test_sm90_builder_passes_every_argument_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the key holds is what the kernel is built from (not a subset of it)."""
+    from cutedsl.sm90.kernels import gemm as kernels
+
+    seen = []
+    monkeypatch.setattr(kernels, "compile_kernel", lambda *a, **kw: seen.append((a, kw)))
+    sm90_gemm._build(64, 32, 2, True)
+    assert seen == [((64, 32, 2, True), {})]
+
+
+def test_compiles_once_per_key_under_concurrent_first_calls(monkeypatch) -> None:
+    monkeypatch.setattr(jit, "_CACHE", {})
+    calls = []
+
+    def build(tag: str) -> object:
+        calls.append(tag)
+        time.sleep(0.05)  # the other threads arrive while this one compiles
+        return object()
+
+    before = jit.compile_count()
+    got = []
+    threads = [
+        threading.Thread(target=lambda: got.append(jit.compiled(build, "a"))) for _ in range(6)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["a"] and len({id(g) for g in got}) == 1 and len(got) == 6
+    assert jit.compiled(build, "b") is not got[0] and calls == ["a", "b"]
+    assert jit.compile_count() == before + 2
+
+
+def test_refuses_to_compile_during_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jit, "_CACHE", {})
+    monkeypatch.setattr(jit, "target_arch", lambda: "sm_90a")
+    monkeypatch.setattr(swiglu, "_build", lambda limit: f"kernel({limit})")
+    warm = jit.compiled(swiglu._build, 10.0)  # before capture
+    monkeypatch.setattr(jit.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(jit.torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert jit.compiled(swiglu._build, 10.0) == warm  # a hit is served during capture
+    count = jit.compile_count()
+    with pytest.raises(jit.CompileDuringCaptureError, match="call the runner's warmup"):
+        jit.compiled(swiglu._build, 5.0)
+    assert jit.compile_count() == count
