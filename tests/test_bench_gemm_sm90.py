@@ -1,5 +1,7 @@
-"""CPU tests of the SM90 GEMM bench (cutedsl/bench/gemm_sm90.py): shape tables, routing, writers,
-CLI, and the DeepGEMM wrapper's no-raise contract. No timing here (that needs the H200)."""
+"""CPU tests of the kernel benchmarks (cutedsl/bench/): the SM90 GEMM bench's shape tables,
+routing, tactic candidates, writers and CLI, the DeepGEMM wrapper's no-raise contract, the table
+tools (merge_gemm, tune_sm90), the committed tuned table, and the `python -m cutedsl.bench` runner.
+No timing here (that needs a Hopper GPU)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ import pytest
 import torch
 
 from cutedsl.bench import gemm_sm90 as B
+from cutedsl.sm90 import tactics
+from cutedsl.sm90.tactics import GpuSpec, Tactic
 from cutedsl.tools import tiny_model
 
 ANCHORS = "/work/shared/research/anchors.md"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H200 = GpuSpec("NVIDIA H200", 132)
 
 
 def _by_name(shapes):
@@ -252,13 +257,39 @@ def test_help_runs():
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    for opt in ("--model", "--time-budget", "--ms", "--json", "--md"):
+    for opt in ("--model", "--time-budget", "--ms", "--json", "--md", "Examples:"):
         assert opt in r.stdout
     assert "{flash,pro,all,both}" in r.stdout
 
 
+@pytest.mark.parametrize("name", ["gemm_sm90", "swiglu", "merge_gemm", "tune_sm90", "__main__"])
+def test_every_module_has_help_with_examples(name, capsys):
+    import importlib
+
+    mod = importlib.import_module(f"cutedsl.bench.{name}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    prog = "cutedsl.bench" if name == "__main__" else f"cutedsl.bench.{name}"
+    assert out.startswith(f"usage: python -m {prog} ")
+    examples = out[out.index("Examples:") :].splitlines()[1:]
+    assert examples and all(ln.strip().startswith("python -m cutedsl.bench") for ln in examples)
+
+
+def test_bad_arguments_are_refused_before_running(capsys):
+    for argv in (["--ms", "1,x"], ["--shapes", "wq_b,nope"], ["--impls", "ours,cutlass"]):
+        with pytest.raises(SystemExit) as e:
+            B.parse_args(argv)
+        assert e.value.code == 2
+    assert "nope" in capsys.readouterr().err
+    a = B.parse_args(["--shapes", "wq_b,wo_a(G=8)", "--impls", "ours,copy"])
+    assert (a.shapes, a.impls) == (["wq_b", "wo_a(G=8)"], ["ours", "copy"])
+
+
 def test_default_ms_and_list_shapes(capsys):
-    assert B.parse_args([]).ms == "1,4,16,32,64,128,256,512,1024,4096,16384"
+    assert B.parse_args([]).ms == [1, 4, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384]
+    assert B.parse_args(["--ms", "1,16"]).ms == [1, 16]
     assert B.main(["--model", "pro", "--list-shapes"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 8 and all(ln.startswith("pro.") for ln in out)
@@ -305,18 +336,31 @@ def test_deepgemm_applies():
     assert all(B.deepgemm_applies(s) is None for m in B.MODELS for s in B.SHAPES[m])
 
 
-def test_candidate_tactics_are_valid_and_start_with_the_heuristic():
-    from cutedsl import sm90 as S
-    from cutedsl.kernels.gemm_sm90 import Sm90Nvfp4W4A16GemmKernel as Kern
+def test_candidate_tactics_are_valid_and_start_with_the_launch_tactic():
+    from cutedsl.sm90.kernels.gemm import Sm90Nvfp4W4A16GemmKernel as Kern
 
     for m, n, k, g, moe in [(1, 1536, 4096, 1, False), (300, 4096, 8192, 1, False),
                             (16384, 32768, 1024, 1, False), (4, 1024, 4096, 8, False),
                             (96, 4096, 4096, 256, True)]:  # fmt: skip
-        c = B.candidate_tactics(m, n, k, g, moe)
-        assert c[0] == S.launch_tactic(m, n, k, g, moe) and len(c) == len(set(c)) >= 2
-        for tn, tm, sk in c:
-            assert Kern.can_implement(n, k, tn, sk) and tm in S.TILE_M_VERIFIED
-            assert not moe or sk == 1
+        c = B.candidate_tactics(m, n, k, g, moe, spec=H200)
+        assert c[0] == tactics.launch_tactic(m, n, k, g, moe, H200) and len(c) == len(set(c)) >= 2
+        for t in c:
+            assert isinstance(t, Tactic)
+            assert (
+                Kern.can_implement(n, k, t.tile_n, t.split_k)
+                and t.tile_m in tactics.TILE_M_VERIFIED
+            )
+            assert not moe or t.split_k == 1
+    # the launch tactic depends on the GPU (a smaller one splits K less): the spec is honoured
+    small = GpuSpec("small", 16)
+    c = B.candidate_tactics(1, 1536, 4096, 1, False, spec=small)
+    assert c[0] == tactics.launch_tactic(1, 1536, 4096, 1, False, small)
+
+
+def test_rows_record_tactics_as_lists_and_sweep_keys_as_str():
+    t = Tactic(128, 16, 2)
+    assert B.tactic_list(t) == [128, 16, 2] and Tactic(*B.tactic_list(t)) == t
+    assert str(t) == "128x16x2"  # the sweep_us key tune_sm90 parses back
 
 
 def test_bench_runner_gives_each_benchmark_its_own_output_files() -> None:
@@ -329,29 +373,71 @@ def test_bench_runner_gives_each_benchmark_its_own_output_files() -> None:
     assert per_bench_outputs(["--json", "a.d/out"], "gemm_sm90") == ["--json", "a.d/out.gemm_sm90"]
 
 
+def test_bench_runner_lists_selects_and_forwards(capsys, monkeypatch):
+    import importlib
+
+    from cutedsl.bench import __main__ as R
+
+    assert R.BENCHMARKS == ("gemm_sm90", "swiglu")
+    assert R.main(["--list"]) == 0
+    assert capsys.readouterr().out.split() == list(R.BENCHMARKS)
+    # a table tool or an unknown name is no benchmark; a benchmark refuses options it lacks
+    for argv in (["--only", "nope"], ["--only", "tune_sm90"], ["--", "--model", "flash"]):
+        with pytest.raises(SystemExit) as e:
+            R.main(argv)
+        assert e.value.code == 2
+    assert "unrecognized arguments: --model flash" in capsys.readouterr().err
+    calls = []
+    monkeypatch.setattr(R, "gpu_problem", lambda: None)
+    for name in R.BENCHMARKS:
+        mod = importlib.import_module(f"cutedsl.bench.{name}")
+        monkeypatch.setattr(mod, "main", lambda argv, name=name: calls.append((name, argv)) or 0)
+    assert R.main(["--json", "r/x.json", "--md", "r/x.md"]) == 0
+    assert calls == [
+        ("gemm_sm90", ["--json", "r/x.gemm_sm90.json", "--md", "r/x.gemm_sm90.md"]),
+        ("swiglu", ["--json", "r/x.swiglu.json", "--md", "r/x.swiglu.md"]),
+    ]
+    calls.clear()
+    assert R.main(["--only", "gemm_sm90", "--json", "g.json", "--", "--model", "flash"]) == 0
+    assert calls == [("gemm_sm90", ["--json", "g.json", "--model", "flash"])]
+    calls.clear()
+    monkeypatch.setattr(B, "main", lambda argv: calls.append(("gemm_sm90", argv)) or 1)
+    assert R.main([]) == 1  # a failed benchmark fails the run, after the others ran
+    assert [c[0] for c in calls] == ["gemm_sm90", "swiglu"]
+    assert "failed: gemm_sm90" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "module", ["cutedsl.bench", "cutedsl.bench.gemm_sm90", "cutedsl.bench.swiglu"]
+)
+def test_benchmarks_without_a_gpu_fail_with_one_line(module):
+    assert not torch.cuda.is_available()
+    r = subprocess.run(
+        [sys.executable, "-m", module], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "Hopper" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_grid_sweep_candidates_are_valid_and_broad():
-    from cutedsl import sm90
-    from cutedsl.kernels.gemm_sm90 import Sm90Nvfp4W4A16GemmKernel as Kern
+    from cutedsl.sm90.kernels.gemm import Sm90Nvfp4W4A16GemmKernel as Kern
 
     for m in (1, 16, 64, 300, 4096):
-        cands = B.candidate_tactics(m, 1536, 4096, 1, False, grid=True)
-        assert cands[0] == sm90.launch_tactic(m, 1536, 4096, 1, False)  # the heuristic's first
+        cands = B.candidate_tactics(m, 1536, 4096, 1, False, spec=H200, grid=True)
+        assert cands[0] == tactics.launch_tactic(m, 1536, 4096, 1, False, H200)  # launch first
         assert len(cands) == len(set(cands)) >= 6
-        for tn, tm, sk in cands:
-            Kern(tile_n=tn, tile_m=tm, split_k=sk)  # the kernel takes it
-            assert Kern.can_implement(1536, 4096, tn, sk)
-    assert {t[2] for t in B.candidate_tactics(64, 1536, 4096, 1, False, grid=True)} == {1, 2, 4, 8}
+        for t in cands:
+            Kern(tile_n=t.tile_n, tile_m=t.tile_m, split_k=t.split_k)  # the kernel takes it
+            assert Kern.can_implement(1536, 4096, t.tile_n, t.split_k)
+    grid = B.candidate_tactics(64, 1536, 4096, 1, False, spec=H200, grid=True)
+    assert {t.split_k for t in grid} == {1, 2, 4, 8}
 
 
-def test_tune_table_from_a_grid_sweep(tmp_path):
-    """The tuner keeps the fastest tactic per (N, K, G) and M (later files win), skips the MoE and
-    un-swept rows, writes readable JSON atomically, and sm90's loader reads the result."""
-    from cutedsl.bench import tune_sm90 as T
-
+def _sweeps():
     def row(shape, kind, n, k, g, m, sweep):
         return dict(shape=shape, kind=kind, N=n, K=k, G=g, M=m, sweep_us=sweep)
 
-    first = dict(command="c1", date="d1", device="NVIDIA H200", cutlass_dsl="4.4.2", rows=[
+    first = dict(command="c1", date="d1", device="Fake GPU", sms=7, cutlass_dsl="4.4.2", rows=[
         row("flash.x", "dense", 1536, 4096, None, 16, {"64x16x8": 5.0, "128x16x8": 6.0}),
         row("flash.x", "dense", 1536, 4096, None, 64, {"128x64x8": 7.0, "64x64x8": 7.1}),
         row("flash.r", "moe", 4096, 4096, 256, 16, {"128x16x1": 1.0, "64x16x1": 2.0}),
@@ -360,35 +446,90 @@ def test_tune_table_from_a_grid_sweep(tmp_path):
     second = dict(first, command="c2", rows=[
         row("flash.x", "dense", 1536, 4096, None, 64, {"64x64x8": 6.5, "128x64x8": 7.0}),
     ])  # fmt: skip
+    return first, second
+
+
+def _write(tmp_path, docs, prefix="s"):
     paths = []
-    for i, sw in enumerate((first, second)):
-        paths.append(tmp_path / f"s{i}.json")
-        paths[-1].write_text(json.dumps(sw))
-    out = tmp_path / "t.json"
-    assert T.main([*map(str, paths), "-o", str(out)]) == 0
-    table = json.loads(out.read_text())
+    for i, doc in enumerate(docs):
+        paths.append(tmp_path / f"{prefix}{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    return [str(p) for p in paths]
+
+
+def test_tune_table_from_a_grid_sweep(tmp_path, monkeypatch):
+    """The tuner keeps the fastest tactic per (N, K, G) and M (later files win), skips the MoE and
+    un-swept rows, records the device and its SM count, writes readable JSON atomically to the
+    device's table by default, and sm90's loader reads the result on that GPU only."""
+    from cutedsl.bench import tune_sm90 as T
+
+    monkeypatch.setattr(tactics, "TUNED_DIR", tmp_path)
+    spec = GpuSpec("Fake GPU", 7)
+    assert spec.table_file == tmp_path / "Fake_GPU.json"
+    assert T.main(_write(tmp_path, _sweeps())) == 0  # no -o: the sweeps' device's table
+    text = spec.table_file.read_text()
+    table = json.loads(text)
+    assert T.format_table(table) == text  # one line per entry, as written
+    assert (table["meta"]["device"], table["meta"]["num_sms"]) == ("Fake GPU", 7)
+    assert "cutedsl.sm90.tactics.choose_tactic" in table["meta"]["what"]
     assert [s["command"] for s in table["meta"]["sources"]] == ["c1", "c2"]
     assert list(table["dense"]) == ["1536,4096,1"]
     x = table["dense"]["1536,4096,1"]
     assert x["16"]["tactic"] == [64, 16, 8] and x["16"]["next_us"] == 6.0
     assert x["64"]["tactic"] == [64, 64, 8]  # the later sweep wins
     assert not list(tmp_path.glob("*.tmp"))
-    empty = tmp_path / "e.json"
-    empty.write_text(json.dumps(dict(first, rows=first["rows"][2:])))
-    assert T.main([str(empty), "-o", str(tmp_path / "none.json")]) == 1
+    tactics.tuned_table.cache_clear()
+    try:
+        assert tactics.tuned_table(spec)[(1536, 4096, 1)] == [
+            (16, Tactic(64, 16, 8)),
+            (64, Tactic(64, 64, 8)),
+        ]
+        assert tactics.choose_tactic(20, 1536, 4096, 1, spec=spec) == Tactic(64, 64, 8)
+        assert tactics.tuned_table(GpuSpec("Fake GPU", 8)) == {}  # another SM count: not used
+    finally:
+        tactics.tuned_table.cache_clear()
+    first = _sweeps()[0]
+    empty = _write(tmp_path, [dict(first, rows=first["rows"][2:])], "e")
+    assert T.main([*empty, "-o", str(tmp_path / "none.json")]) == 1
     assert not (tmp_path / "none.json").exists()
 
 
-def test_committed_tuned_table_is_well_formed():
-    from cutedsl import sm90
+def test_tune_refuses_mixed_or_unknown_devices(tmp_path, capsys):
+    from cutedsl.bench import tune_sm90 as T
 
-    with open(sm90._TUNED) as f:
-        table = json.load(f)
-    assert table["meta"]["sources"] and table["meta"]["sources"][0]["device"] == "NVIDIA H200"
+    first, second = _sweeps()
+    out = str(tmp_path / "t.json")
+    for docs in ([first, dict(second, device="Other GPU")], [first, dict(second, sms=8)],
+                 [dict(first, device=None)]):  # fmt: skip
+        assert T.main([*_write(tmp_path, docs), "-o", out]) == 2
+    assert "one named device" in capsys.readouterr().err
+    # a sweep without its SM count: --num-sms is required, and must agree with the others
+    no_sms = {k: v for k, v in second.items() if k != "sms"}
+    paths = _write(tmp_path, [first, no_sms])
+    assert T.main([*paths, "-o", out]) == 2
+    assert "--num-sms" in capsys.readouterr().err
+    assert T.main([*paths, "-o", out, "--num-sms", "8"]) == 2
+    assert not os.path.exists(out)
+    assert T.main([*paths, "-o", out, "--num-sms", "7"]) == 0
+    assert json.loads(open(out).read())["meta"]["num_sms"] == 7
+
+
+def test_committed_tuned_table_is_well_formed():
+    from cutedsl.bench import tune_sm90 as T
+
+    text = H200.table_file.read_text()
+    table = json.loads(text)
+    assert H200.table_file.name == "NVIDIA_H200.json"
+    assert (table["meta"]["device"], table["meta"]["num_sms"]) == ("NVIDIA H200", 132)
+    assert all(s["device"] == "NVIDIA H200" for s in table["meta"]["sources"])
+    assert T.format_table(table) == text  # the tuner's line-per-entry format
     for key, per_m in table["dense"].items():
         assert len(key.split(",")) == 3 and per_m
         for m, e in per_m.items():
             assert int(m) > 0 and e["us"] <= e["next_us"] and len(e["tactic"]) == 3
+            assert str(Tactic(*e["tactic"])) == "x".join(map(str, e["tactic"]))
+    loaded = tactics.tuned_table(H200)
+    assert sum(map(len, loaded.values())) == sum(map(len, table["dense"].values()))
 
 
 def test_merge_fills_missing_fields_and_rows(tmp_path):
@@ -421,6 +562,9 @@ def test_merge_fills_missing_fields_and_rows(tmp_path):
     assert "a.json" in md.read_text() and "b.json" in md.read_text()
     pb.write_text(json.dumps(dict(b, device="H100")))
     assert MG.main([str(pa), str(pb)]) == 2
+    pb.write_text(json.dumps(dict(b, sms=114)))
+    pa.write_text(json.dumps(dict(a, sms=132)))
+    assert MG.main([str(pa), str(pb)]) == 2  # same name, another SM count
 
 
 def test_merge_rerun_replaces_measured_fields(tmp_path):
@@ -464,21 +608,3 @@ def test_merge_rerun_replaces_measured_fields(tmp_path):
     assert "re-run" in md.read_text()
     pr.write_text(json.dumps(dict(meta, device="H100", rows=rerun)))
     assert MG.main([str(pf), "--rerun", str(pr)]) == 2
-
-
-def test_ab_loads_a_kernel_module_copy(tmp_path):
-    """bench.ab.load_compile_kernel: a copy of the kernel module (as `git show REV:...` writes it)
-    loads as its own module and gives its cached compile_kernel; a non-module path is refused."""
-    import shutil
-
-    from cutedsl.bench import ab
-    from cutedsl.kernels import gemm_sm90
-
-    copy = tmp_path / "_old_gemm_sm90.py"
-    shutil.copy(gemm_sm90.__file__, copy)
-    fn = ab.load_compile_kernel(str(copy))
-    assert fn.__wrapped__.__module__ == "_old_gemm_sm90"
-    assert fn.__wrapped__ is not gemm_sm90.compile_kernel
-    (tmp_path / "notes.txt").write_text("x")
-    with pytest.raises(ValueError, match="notes.txt"):
-        ab.load_compile_kernel(str(tmp_path / "notes.txt"))

@@ -1,42 +1,44 @@
-"""`python -m cutedsl.bench.gemm_sm90`: sm_90a NVFP4 W4A16 GEMMs vs cuBLAS BF16, Marlin, DeepGEMM FP8.
+"""sm_90a NVFP4 W4A16 GEMMs (`cutedsl.sm90.gemm`) vs cuBLAS BF16, Marlin and DeepGEMM FP8 per shape.
 
 python -m cutedsl.bench.gemm_sm90 [--model flash|pro|all] [--ms 1,4,...] [--shapes a,b]
-    [--sweep [neighbours|grid]] [--time-budget S] [--json PATH] [--md PATH] [--list-shapes]
+    [--impls ours,cublas,...] [--sweep [neighbours|grid]] [--time-budget S] [--json PATH]
+    [--md PATH] [--list-shapes]
 
 Shapes (per model, from its config; see FLASH_CONFIG / PRO_CONFIG): fused_wqa_wkv, wq_b, wo_a
 (G equal groups, a[G, M, K]), wo_b, shared expert L1/L2 (dense), routed experts L1/L2 ("moe": the
 M*topk routed rows grouped by per-expert offsets from `routing()`, a seeded top-k routing with
 per-expert popularity skew, distinct experts per token).
 
-Timing (unchanged method): each implementation is captured in a CUDA graph of `reps` back-to-back
-calls that cycle through enough weight copies (dense, wo_a) or routings (moe: different experts
-active each call) to exceed 3x the 60 MB L2, so weights are cold every call, as in decode where
-each layer's weights are read once; the graph is replayed 5 times (after 3 warm-up calls) and the
-median replay time is divided by `reps`, CUDA events around each replay. Host launch overhead is
-excluded (as under vLLM's CUDA graphs). Where one copy of the weights is already > 3x L2 a single
-copy is used.
+Timing: each implementation is captured in a CUDA graph of `reps` back-to-back calls that cycle
+through enough weight copies (dense, wo_a) or routings (moe: different experts active each call)
+to exceed 3x the 60 MB L2, so weights are cold every call, as in decode where each layer's weights
+are read once; the graph is replayed 5 times (after 3 warm-up calls) and the median replay time is
+divided by `reps`, CUDA events around each replay (`cutedsl.bench.common.graph_time_us`). Host
+launch overhead is excluded (as under vLLM's CUDA graphs). Where one copy of the weights is
+already > 3x L2 a single copy is used.
 
 Bytes (one place, `weight_bytes`): NVFP4 weight + e4m3 scales = N*K*(0.5 + 1/16) per group or per
 *active* expert; cuBLAS BF16 reads N*K*2; DeepGEMM FP8 N*K*(1 + 4/128^2). Activations/outputs are
 not counted in GB/s. FLOPs = 2*rows*N*K per group. Copy bandwidth: the faster of a 1 GiB
-device-to-device copy and a 1 GiB bf16 elementwise kernel, read + write bytes / time (until
-2026-12-03 the copy alone, which read low on the H200: 2.77 TB/s). `pct_copy_bw` = our weight
-GB/s / copy bandwidth (the MD shows it for M <= 32 only, where the GEMM should be weight-bandwidth
-bound). Since 2026-12-03 (sixth session) also, for M <= 32, `copy_us`: the same elementwise copy
-kernel moving the row's weight + scale bytes (read + write), timed like the GEMMs, so with the
-launch and pipeline-fill latency that a 1 GiB stream hides; `pct_copy_time` = copy_us / ours us.
+device-to-device copy and a 1 GiB bf16 elementwise kernel, read + write bytes / time (the copy
+alone reads low: 2.77 TB/s on the H200, 2026-12-03). `pct_copy_bw` = our weight GB/s / copy
+bandwidth (the MD shows it for M <= 32 only, where the GEMM should be weight-bandwidth bound).
+For M <= 32 also `copy_us`: the same elementwise copy kernel moving the row's weight + scale bytes
+(read + write), timed like the GEMMs, so with the launch and pipeline-fill latency that a 1 GiB
+stream hides; `pct_copy_time` = copy_us / ours us.
 
 Columns:
-- ours: cutedsl.sm90 (BF16 activations, no activation quantization at all).
+- ours: `cutedsl.sm90.gemm` linear / grouped / moe (BF16 activations, no activation quantization
+  at all), the tactic a launch takes on this GPU (`cutedsl.sm90.tactics.launch_tactic`).
 - cuBLAS: torch.matmul (dense) / torch.bmm (wo_a), BF16; routed experts: torch._grouped_mm (BF16,
   CUTLASS in torch, not cuBLAS; named in `cublas_impl`).
-- Marlin: vLLM 0.21.0 NVFP4 W4A16. Dense: `apply_fp4_marlin_linear`. Routed experts (since
-  2026-12-03, ninth session): one `ops.moe_wna16_marlin_gemm` call as vLLM's `fused_marlin_moe`
-  makes it (its block_size_m rule, fp32 reduce, no atomics), on weights and scales repacked per
-  expert as `prepare_nvfp4_moe_layer_for_marlin` does; L1 reads the M token rows through top_k,
-  L2 the M*topk rows with top_k 1, without the routing-weight multiply vLLM's L2 does (ours is
-  timed without it too). `moe_align_block_size` (once per batch in vLLM, shared by L1 and L2) is
-  outside the timed graph, as our offsets are. wo_a: n/a.
+- Marlin: vLLM 0.21.0 NVFP4 W4A16. Dense: `apply_fp4_marlin_linear`. Routed experts: one
+  `ops.moe_wna16_marlin_gemm` call as vLLM's `fused_marlin_moe` makes it (its block_size_m rule,
+  fp32 reduce, no atomics), on weights and scales repacked per expert as
+  `prepare_nvfp4_moe_layer_for_marlin` does; L1 reads the M token rows through top_k, L2 the
+  M*topk rows with top_k 1, without the routing-weight multiply vLLM's L2 does (ours is timed
+  without it too). `moe_align_block_size` (once per batch in vLLM, shared by L1 and L2) is outside
+  the timed graph, as our offsets are. wo_a: n/a.
 - copy (M <= 32): `bench_copy`, the same-bytes copy above.
 - DeepGEMM: vLLM 0.21.0's bundled DeepGEMM (vllm.third_party.deep_gemm, through the wrappers in
   vllm.utils.deep_gemm, as vLLM calls them) on FP8 e4m3 block weights (128x128 blocks, fp32
@@ -52,6 +54,9 @@ Columns:
   = the sum. Rows where DeepGEMM does not apply say "n/a: ..." in `deepgemm_error`; a DeepGEMM
   failure (no JIT, unsupported shape) is recorded there and never stops the run.
 Ratios are speedups of ours: x_<impl> = t_<impl> / t_ours (> 1: ours is faster).
+--sweep also times other tactics of ours: the launch tactic's neighbours, or (grid) every tactic
+`candidate_tactics` lists; `python -m cutedsl.bench.tune_sm90` turns grid sweeps into the GPU's
+tuned table.
 --time-budget S: stop starting new measurements when they would not finish before S seconds;
 JSON/MD are rewritten after every shape, so whatever finished is always on disk.
 """
@@ -64,13 +69,15 @@ import argparse
 import datetime
 import json
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from cutedsl.bench.common import gpu_problem, graph_time_us, make_parser
+from cutedsl.sm90.tactics import BK, TILE_M_VERIFIED, GpuSpec, Tactic, gpu_spec, launch_tactic
 
 L2_BYTES = 60 * 2**20
 M_LIST = [1, 4, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384]
@@ -149,11 +156,6 @@ def shapes_from_config(cfg: dict) -> list[Shape]:
 SHAPES: dict[str, list[Shape]] = {m: shapes_from_config(c) for m, c in CONFIGS.items()}
 
 
-def dense_shapes(model: str = "flash") -> dict[str, tuple[int, int, int]]:
-    """name -> (groups, N, K) of the model's dense / grouped GEMMs (the experiments' shapes)."""
-    return {s.name: (s.groups, s.n, s.k) for s in SHAPES[model] if s.kind != "moe"}
-
-
 def weight_bytes(groups: int, n: int, k: int) -> float:
     """NVFP4 weight + e4m3 block-scale bytes of `groups` [N, K] matrices (0.5625 B/param)."""
     return groups * n * k * (0.5 + 1 / 16)
@@ -209,29 +211,6 @@ def contiguous_m_indices(counts: torch.Tensor, align: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------ timing
 
 
-def _graph_time_us(fns: list, reps: int) -> float:
-    """Median per-call time of a CUDA graph that runs fns[i % len(fns)] for i < reps."""
-    for f in fns[: min(3, len(fns))]:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / reps)
-    del g
-    return statistics.median(ts)
-
-
 def _reps(flops: float) -> int:
     return int(max(3, min(200, 2e5 / max(1.0, flops / 5e8))))  # ~<=200 calls, long shapes fewer
 
@@ -245,8 +224,8 @@ def _streams_gbps() -> dict[str, float]:
     y = torch.empty_like(x)
     xb, yb = x.view(torch.bfloat16).normal_(), y.view(torch.bfloat16)
     return {
-        "memcpy": 2 * x.numel() / _graph_time_us([lambda: y.copy_(x)], 10) / 1e3,
-        "elementwise": 2 * x.numel() / _graph_time_us([lambda: torch.mul(xb, 2, out=yb)], 10) / 1e3,
+        "memcpy": 2 * x.numel() / graph_time_us([lambda: y.copy_(x)], 10) / 1e3,
+        "elementwise": 2 * x.numel() / graph_time_us([lambda: torch.mul(xb, 2, out=yb)], 10) / 1e3,
     }
 
 
@@ -258,26 +237,26 @@ def copy_time_us(nbytes: float, reps: int = 100) -> float:
     xs = [torch.randn(elems, device="cuda", dtype=torch.bfloat16)
           for _ in range(_copies(4 * elems))]  # fmt: skip
     ys = [torch.empty_like(x) for x in xs]
-    return _graph_time_us([lambda x=x, y=y: torch.mul(x, 2, out=y) for x, y in zip(xs, ys)], reps)
+    return graph_time_us([lambda x=x, y=y: torch.mul(x, 2, out=y) for x, y in zip(xs, ys)], reps)
 
 
 def stream_bandwidths_gbps() -> dict[str, float]:
     """Read + write GB/s of two 1 GiB -> 1 GiB streams: the device-to-device copy (cudaMemcpy) and
-    a vectorized elementwise kernel (bf16 x 2). On the H200 the copy read low: 2.77 TB/s, while
-    our SwiGLU kernel streamed 4.3 TB/s (bench/results/h200_2026-12-03_session2)."""
+    a vectorized elementwise kernel (bf16 x 2). The copy alone reads low (H200, 2026-12-03: 2.77
+    TB/s, while the SwiGLU kernel streamed 4.3 TB/s), so the bandwidth anchor is the faster."""
     out = _streams_gbps()
     torch.cuda.empty_cache()  # the 2 GiB buffers go back before the weights are made
     return out
 
 
 def random_prepared_weight(g: int, n: int, k: int) -> object:
-    """Random NVFP4 codes and positive e4m3 scales for g groups of [n, k], prepared for
-    cutedsl.sm90 (the bench times bytes, not values)."""
-    from cutedsl import sm90 as S
+    """Random NVFP4 codes and positive e4m3 scales for g groups of [n, k], as a
+    `cutedsl.sm90.weight.Weight` (the bench times bytes, not values)."""
+    from cutedsl.sm90.weight import prepare_weight
 
     packed = torch.randint(0, 256, (g, n, k // 2), dtype=torch.uint8, device="cuda")
     sf = (torch.rand(g, n, k // 16, device="cuda") * 4 + 2**-7).to(torch.float8_e4m3fn)
-    return S.prepare_nvfp4_weight(packed, sf, torch.full((g,), 0.01, device="cuda"))
+    return prepare_weight(packed, sf, torch.full((g,), 0.01, device="cuda"))
 
 
 class Budget:
@@ -451,52 +430,59 @@ def _set(rows_by_m: dict[int, dict], ms: list[int], key: str, value) -> None:
 
 
 def candidate_tactics(
-    m: int, n: int, k: int, groups: int, moe: bool, grid: bool = False
-) -> list[tuple[int, int, int]]:
-    """The heuristic's tactic first, then the tactics worth timing (--sweep). Neighbours: the other
-    tile_n, the next token tile up and down, half / double the K split. Grid (dense / grouped):
-    every tile_n, every verified token tile from the one covering m (m <= 32) or from
-    min(m, 256) / 4 up to 2x m, every split 1..8 the kernel takes (1, 2 from m = 1024). All valid
-    for the shape."""
-    from cutedsl import sm90 as S
-    from cutedsl.kernels.gemm_sm90 import Sm90Nvfp4W4A16GemmKernel as Kern
+    m: int, n: int, k: int, groups: int, moe: bool, *, spec: GpuSpec, grid: bool = False
+) -> list[Tactic]:
+    """The launch tactic on the GPU `spec` first, then the tactics worth timing (--sweep).
+    Neighbours: the other tile_n, the next token tile up and down, half / double the K split.
+    Grid (dense / grouped): every tile_n, every verified token tile from the one covering m
+    (m <= 32) or from min(m, 256) / 4 up to 2x m, every split 1..8 the kernel takes (1, 2 from
+    m = 1024). All valid for the shape."""
+    from cutedsl.sm90.kernels.gemm import Sm90Nvfp4W4A16GemmKernel as Kern  # imports cutlass
 
-    tn, tm, sk = S.launch_tactic(m, n, k, groups, moe)
-    tiles = list(S.TILE_M_VERIFIED)
-    cands = [(tn, tm, sk)]
+    t0 = launch_tactic(m, n, k, groups, moe, spec)
+    tn, tm, sk = t0.tile_n, t0.tile_m, t0.split_k
+    tiles = list(TILE_M_VERIFIED)
+    cands = [t0]
     if grid and not moe:
         if m <= 32:
             tms = [next(t for t in tiles if t >= m)]
         else:
             tms = [t for t in tiles if min(m, 256) / 4 <= t <= 2 * m]
         splits = (1, 2, 4, 8) if m < 1024 else (1, 2)
-        cands += [(n_, t, s) for t in tms for n_ in (64, 128) for s in splits]
+        cands += [Tactic(n_, t, s) for t in tms for n_ in (64, 128) for s in splits]
     else:
         i = tiles.index(tm)
-        cands += [(192 - tn, tm, sk)]
-        cands += [(tn, tiles[j], sk if tiles[j] <= 64 else 1) for j in (i - 1, i + 1)
+        cands += [Tactic(192 - tn, tm, sk)]
+        cands += [Tactic(tn, tiles[j], sk if tiles[j] <= 64 else 1) for j in (i - 1, i + 1)
                   if 0 <= j < len(tiles)]  # fmt: skip
         if not moe:
-            cands += [(tn, tm, max(1, sk // 2)), (tn, tm, sk * 2)]
-    out: list[tuple[int, int, int]] = []
+            cands += [Tactic(tn, tm, max(1, sk // 2)), Tactic(tn, tm, sk * 2)]
+    out: list[Tactic] = []
+    kt = k // BK
     for c in cands:
-        kt = k // 64
-        if c in out or not Kern.can_implement(n, k, c[0], c[2]) or kt // c[2] < 2:
+        if c in out or not Kern.can_implement(n, k, c.tile_n, c.split_k) or kt // c.split_k < 2:
             continue
-        if Kern.split_error(c[1], c[2], moe):
+        if Kern.split_error(c.tile_m, c.split_k, moe):
             continue
         out.append(c)
     return out
 
 
+def tactic_list(t: Tactic) -> list[int]:
+    """A Tactic as the rows record it: [tile_n, tile_m, split_k]."""
+    return [t.tile_n, t.tile_m, t.split_k]
+
+
 def bench_ours(
     shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget, sweep: str = ""
 ) -> None:
-    """Time cutedsl.sm90 on `shape` for each m into rows_by_m[m]["us"] (errors into ours_error).
-    With `sweep`, also every `candidate_tactics` into "sweep_us" {tactic: us} and "best_tactic"."""
+    """Time `cutedsl.sm90.gemm` on `shape` for each m into rows_by_m[m]["us"] (errors into
+    ours_error). With `sweep`, also every `candidate_tactics` into "sweep_us" {"TNxTMxSK": us} and
+    "best_tactic"."""
     try:
-        from cutedsl import sm90 as S
+        from cutedsl.sm90 import gemm
 
+        spec = gpu_spec(torch.device("cuda"))
         g, n, k = shape.groups, shape.n, shape.k
         n_copies = 1 if shape.kind == "moe" else _copies(weight_bytes(g, n, k))
         wps = [random_prepared_weight(g, n, k) for _ in range(n_copies)]
@@ -518,44 +504,45 @@ def bench_ours(
                 w0 = wps[0]
 
                 def make(t):
-                    return [lambda o=o: S.sm90_nvfp4_moe_gemm(a, o, w0, out=out, tactic=t)
+                    return [lambda o=o: gemm.moe(a, o, w0, out=out, tactic=t)
                             for o in offs]  # fmt: skip
 
-                tac = S.launch_tactic(rows, n, k, g, True)
+                tac = launch_tactic(rows, n, k, g, True, spec)
             elif shape.kind == "grouped":
                 a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
 
                 def make(t, wps=wps):
-                    return [lambda wp=wp: S.sm90_nvfp4_grouped_gemm(a, wp, out=out, tactic=t)
+                    return [lambda wp=wp: gemm.grouped(a, wp, out=out, tactic=t)
                             for wp in wps]  # fmt: skip
 
-                tac = S.launch_tactic(m, n, k, g, False)
+                tac = launch_tactic(m, n, k, g, False, spec)
             else:
                 a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
                 def make(t, wps=wps):
-                    return [lambda wp=wp: S.sm90_nvfp4_gemm_prepared(a, wp, out=out, tactic=t)
+                    return [lambda wp=wp: gemm.linear(a, wp, out=out, tactic=t)
                             for wp in wps]  # fmt: skip
 
-                tac = S.launch_tactic(m, n, k, 1, False)
-            r["tactic"] = list(tac)
+                tac = launch_tactic(m, n, k, 1, False, spec)
+            r["tactic"] = tactic_list(tac)
             flops = 2.0 * rows * n * k * (g if shape.kind == "grouped" else 1)
             cands = candidate_tactics(rows if shape.kind == "moe" else m, n, k, g,
-                                      shape.kind == "moe", sweep == "grid") if sweep else [tac]  # fmt: skip
+                                      shape.kind == "moe", spec=spec,
+                                      grid=sweep == "grid") if sweep else [tac]  # fmt: skip
             times = {}
             for t in cands:
                 if t != tac and not budget.fits(f"ours {shape.name} M={m} tactic {t}"):
                     break
                 fns = make(t)
                 fns[0]()  # compile outside capture
-                times[t] = round(budget.measure(lambda: _graph_time_us(fns, _reps(flops))), 2)
+                times[t] = round(budget.measure(lambda: graph_time_us(fns, _reps(flops))), 2)
             r["us"] = times[tac]
             if sweep:
-                r["sweep_us"] = {"x".join(map(str, t)): us for t, us in times.items()}
+                r["sweep_us"] = {str(t): us for t, us in times.items()}
                 best = min(times, key=times.get)
-                r["best_tactic"], r["best_us"] = list(best), times[best]
+                r["best_tactic"], r["best_us"] = tactic_list(best), times[best]
         except Exception as e:  # noqa: BLE001
             r["ours_error"] = _err(e)
         print(f"  ours     {shape.name:20s} M={m:6d} us={r['us']} {r['ours_error'] or ''}")
@@ -623,7 +610,7 @@ def bench_cublas(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                 fns = [lambda w=w: torch.matmul(a, w[0].t(), out=out) for w in ws]
             flops = 2.0 * rows * n * k * (g if shape.kind == "grouped" else 1)
-            r["cublas_us"] = round(budget.measure(lambda: _graph_time_us(fns, _reps(flops))), 2)
+            r["cublas_us"] = round(budget.measure(lambda: graph_time_us(fns, _reps(flops))), 2)
         except Exception as e:  # noqa: BLE001
             r["cublas_error"] = _err(e)
         print(f"  bf16     {shape.name:20s} M={m:6d} us={r['cublas_us']} {r['cublas_error'] or ''}")
@@ -753,7 +740,7 @@ def bench_marlin_moe(
                 for a in aligned
             ]
             flops = 2.0 * m * topk * n * k
-            r["marlin_us"] = round(budget.measure(lambda: _graph_time_us(fns, _reps(flops))), 2)
+            r["marlin_us"] = round(budget.measure(lambda: graph_time_us(fns, _reps(flops))), 2)
         except Exception as ex:  # noqa: BLE001
             r["marlin_error"] = _err(ex)
         print(f"  marlin   {shape.name:20s} M={m:6d} us={r['marlin_us']} {r['marlin_error'] or ''}")
@@ -806,7 +793,7 @@ def bench_marlin(
                 for q in mq
             ]
             r["marlin_us"] = round(
-                budget.measure(lambda: _graph_time_us(fns, _reps(2.0 * m * n * k))), 2
+                budget.measure(lambda: graph_time_us(fns, _reps(2.0 * m * n * k))), 2
             )
         except Exception as e:  # noqa: BLE001
             r["marlin_error"] = _err(e)
@@ -942,9 +929,9 @@ def bench_deepgemm(
                 q_in = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 flops = 2.0 * m * n * k
                 r["deepgemm_rows"] = m
-            r["deepgemm_us"] = round(budget.measure(lambda: _graph_time_us(fns, _reps(flops))), 2)
+            r["deepgemm_us"] = round(budget.measure(lambda: graph_time_us(fns, _reps(flops))), 2)
             qfn = [lambda: dg.quant(q_in, 128, column_major_scales=True, use_ue8m0=dg.e8m0)]
-            r["deepgemm_quant_us"] = round(budget.measure(lambda: _graph_time_us(qfn, 20)), 2)
+            r["deepgemm_quant_us"] = round(budget.measure(lambda: graph_time_us(qfn, 20)), 2)
         except Exception as e:  # noqa: BLE001 - JIT missing, unsupported shape, ...
             r["deepgemm_error"] = _err(e)
         print(
@@ -1048,21 +1035,66 @@ def versions() -> dict:
 # ------------------------------------------------------------------------------ main
 
 
+IMPLS = ("ours", "cublas", "marlin", "deepgemm", "copy")
+EXAMPLES = [
+    "python -m cutedsl.bench.gemm_sm90 --json r/gemm.json --md r/gemm.md   # every shape and M",
+    "python -m cutedsl.bench.gemm_sm90 --model flash --ms 1,16,4096 --shapes wq_b,wo_b "
+    "--impls ours,cublas",
+    "python -m cutedsl.bench.gemm_sm90 --model pro --list-shapes   # no GPU needed",
+    "python -m cutedsl.bench.gemm_sm90 --model flash --impls ours --sweep grid "
+    "--ms 1,16,32,64,128,256,512,1024,4096 --shapes fused_wqa_wkv,wq_b --json sweep.json",
+    "python -m cutedsl.bench.tune_sm90 sweep.json   # -> cutedsl/tuned/sm90/<device>.json",
+    "python -m cutedsl.bench.gemm_sm90 --time-budget 600 --json r.json --md r.md",
+]
+
+
+def _comma_list(kind: Callable[[str], object], allowed: tuple | None = None) -> Callable:
+    def parse(text: str) -> list:
+        try:
+            items = [kind(x) for x in text.split(",") if x]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+        bad = [x for x in items if allowed is not None and x not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: " + (f"unknown {bad}, expected of {list(allowed)}" if bad else "empty")
+            )
+        return items
+
+    return parse
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m cutedsl.bench.gemm_sm90", description=__doc__.splitlines()[0]
-    )
+    """The options (argparse exits 2 on a bad one, before anything runs)."""
+    p = make_parser("cutedsl.bench.gemm_sm90", __doc__.split("\n\n")[0], EXAMPLES)
+    names = tuple(dict.fromkeys(s.name for m in MODELS for s in SHAPES[m]))
     p.add_argument("--model", default="all", choices=["flash", "pro", "all", "both"])
-    p.add_argument("--ms", default=",".join(map(str, M_LIST)), help="comma list of token counts")
-    p.add_argument("--shapes", default="", help="comma list of shape names to keep (no prefix)")
-    p.add_argument("--impls", default="ours,cublas,marlin,deepgemm,copy", help="comma list")
+    p.add_argument(
+        "--ms",
+        type=_comma_list(int),
+        default=list(M_LIST),
+        help=f"comma list of token counts (default {','.join(map(str, M_LIST))})",
+    )
+    p.add_argument(
+        "--shapes",
+        type=_comma_list(str, names),
+        default=[],
+        help="comma list of shape names to keep, without the model prefix (--list-shapes)",
+    )
+    p.add_argument(
+        "--impls",
+        type=_comma_list(str, IMPLS),
+        default=list(IMPLS),
+        help=f"comma list of implementations to time (default {','.join(IMPLS)})",
+    )
     p.add_argument(
         "--sweep",
         nargs="?",
         const="neighbours",
         default="",
         choices=["neighbours", "grid"],
-        help="also time other tactics of ours (best_tactic): the heuristic's neighbours, or a grid",
+        help="also time other tactics of ours (best_tactic): the launch tactic's neighbours, "
+        "or a grid (the input of tune_sm90)",
     )
     p.add_argument(
         "--time-budget",
@@ -1071,21 +1103,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="S",
         help="stop cleanly (writing JSON/MD) before S seconds of wall time",
     )
-    p.add_argument("--json", default="")
-    p.add_argument("--md", default="")
+    p.add_argument("--json", default="", metavar="PATH", help="write the rows and meta as JSON")
+    p.add_argument("--md", default="", metavar="PATH", help="write the readable table")
     p.add_argument("--list-shapes", action="store_true", help="print the shape table and exit")
     return p.parse_args(argv)
 
 
 def selected_shapes(args: argparse.Namespace) -> list[tuple[str, Shape]]:
     models = list(MODELS) if args.model in ("all", "both") else [args.model]
-    keep = set(filter(None, args.shapes.split(",")))
+    keep = set(args.shapes)
     return [(mdl, s) for mdl in models for s in SHAPES[mdl] if not keep or s.name in keep]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ms = [int(x) for x in args.ms.split(",")]
+    ms = args.ms
     todo = selected_shapes(args)
     if args.list_shapes:
         for mdl, s in todo:
@@ -1094,7 +1126,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"N={s.n:6d} K={s.k:6d}"
             )
         return 0
-    impls = set(args.impls.split(","))
+    problem = gpu_problem()
+    if problem:
+        print(f"cutedsl.bench.gemm_sm90: {problem}", file=sys.stderr)
+        return 1
+    impls = set(args.impls)
     budget = Budget(args.time_budget)
     marlin = load_marlin() if "marlin" in impls else (None, "not requested")
     dg = load_deepgemm() if "deepgemm" in impls else DeepGemm(None, None, False, "not requested")
@@ -1132,7 +1168,7 @@ def main(argv: list[str] | None = None) -> int:
         deepgemm=dg.note,
         copy_bw_GBps=round(copy_bw),
         stream_GBps={k: round(v) for k, v in streams.items()},
-        copy_bw_anchor="max(memcpy, elementwise) since 2026-12-03; memcpy alone before",
+        copy_bw_anchor="max(memcpy, elementwise)",
         time_budget_s=args.time_budget,
         header=header,
         stopped_early="",

@@ -1,14 +1,12 @@
 """Merge `cutedsl.bench.gemm_sm90` JSON results of one device into one table, e.g. a full run cut
-by its time budget and the re-run of the rows it missed.
-
-    python -m cutedsl.bench.merge_gemm FIRST.json MORE.json ... --json OUT.json --md OUT.md
+by its time budget and the re-run of the rows it missed (a table tool: no GPU needed).
 
 Rows are keyed by (shape, M). The first file's rows come first, in its order. A measured field
 (times, tactic, errors) that is None in a row is taken from the first later file that has it,
 and rows only later files have are appended. Derived columns (TF/s, GB/s, ratios, % copy) are
 recomputed, with the first file's copy bandwidth. Each row lists in `merged_from` the files whose
 fields it holds, and the header names every input, so mixed-run rows stay visible. Files from
-different devices are refused.
+different devices (name, or SM count where recorded) are refused.
 
 `--rerun FILE` (repeatable) is a re-run of some rows, e.g. after a change that affects only them:
 for every implementation it timed or saw fail, its fields (time, error, tactic, ...) replace the
@@ -18,12 +16,17 @@ first input.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from cutedsl.bench.common import make_parser
 from cutedsl.bench.gemm_sm90 import finalize_row, summarize, write_outputs
+
+EXAMPLES = [
+    "python -m cutedsl.bench.merge_gemm full.json missed.json --json merged.json --md merged.md",
+    "python -m cutedsl.bench.merge_gemm full.json --rerun wo_a.json --json merged.json",
+]
 
 # The measured fields of a row, per implementation: (time, error, others). A re-run that has the
 # time or the error of one replaces all of them, so a time never stands beside another run's
@@ -47,8 +50,9 @@ def merge(
         raise ValueError("nothing to merge")
     reruns = reruns or []
     devices = {d.get("device") for _, d in docs + reruns}
-    if len(devices) != 1:
-        names = ", ".join(f"{n} ({d.get('device')})" for n, d in docs + reruns)
+    sms = {d["sms"] for _, d in docs + reruns if d.get("sms") is not None}
+    if len(devices) != 1 or len(sms) > 1:
+        names = ", ".join(f"{n} ({d.get('device')}, {d.get('sms')} SMs)" for n, d in docs + reruns)
         raise ValueError(f"results from different devices: {names}")
     first_name, first = docs[0]
     rows: dict[tuple[str, int], dict] = {}
@@ -105,10 +109,10 @@ def merge(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cutedsl.bench.merge_gemm", description=__doc__)
+    p = make_parser("cutedsl.bench.merge_gemm", __doc__, EXAMPLES)
     p.add_argument("inputs", nargs="+", help="gemm_sm90 --json files; the first one leads")
-    p.add_argument("--json", default="")
-    p.add_argument("--md", default="")
+    p.add_argument("--json", default="", metavar="PATH", help="write the merged rows and meta")
+    p.add_argument("--md", default="", metavar="PATH", help="write the merged readable table")
     p.add_argument(
         "--rerun", action="append", default=[], metavar="FILE",
         help="a re-run of some rows: its measured fields replace the inputs' (repeatable)",

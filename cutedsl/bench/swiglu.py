@@ -1,11 +1,10 @@
-"""Clamped SwiGLU between the MLP GEMMs: the CuTeDSL kernel (`cutedsl.sm90_runners.swiglu_clamp`)
+"""Clamped SwiGLU between the MLP GEMMs: the CuTeDSL kernel (`cutedsl.sm90.swiglu.swiglu_clamp`)
 against the fp32 torch statement it replaced (`swiglu_clamp_bf16`, seven kernels), per DSv4 shape.
 
-    python -m cutedsl.bench.swiglu [--json F] [--md F]
-
 Rows are routed rows (tokens x top-6) or shared-expert tokens; I = 2048 (Flash) and 3072 (Pro).
-Timing: a CUDA graph of 50 back-to-back calls, median of 5 replays (CUDA events), after warm-up.
-GB/s counts h read once and out written once (6 bytes per output element).
+Timing: a CUDA graph of 50 back-to-back calls, median of 5 replays (CUDA events), after warm-up
+(`cutedsl.bench.common.graph_time_us`). GB/s counts h read once and out written once (6 bytes per
+output element).
 """
 
 from __future__ import annotations
@@ -17,23 +16,30 @@ import sys
 
 import torch
 
+from cutedsl.bench.common import gpu_problem, graph_time_us, make_parser
+
 SHAPES = [(rows, i) for i in (2048, 3072) for rows in (1, 16, 64, 384, 1536, 8192, 49152)]
 LIMIT = 10.0
+EXAMPLES = [
+    "python -m cutedsl.bench.swiglu",
+    "python -m cutedsl.bench.swiglu --json r/swiglu.json --md r/swiglu.md",
+    "python -m cutedsl.bench --only swiglu --json r/bench.json   # writes r/bench.json",
+]
 
 
 def run(shapes: list[tuple[int, int]] = SHAPES) -> list[dict]:
-    from cutedsl import sm90_runners as R
-    from cutedsl.bench.gemm_sm90 import _graph_time_us
+    from cutedsl.sm90 import swiglu as S
+    from cutedsl.sm90.runners import CHUNK
 
     out = []
     for rows, i in shapes:
         h = (torch.randn(rows, 2 * i, device="cuda") * 4).to(torch.bfloat16)
         s = torch.empty(rows, i, dtype=torch.bfloat16, device="cuda")
-        tmp = torch.empty(2, min(rows, R.CHUNK), i, dtype=torch.float32, device="cuda")
-        t_torch = _graph_time_us([lambda h=h, s=s, t=tmp: R.swiglu_clamp_bf16(h, LIMIT, s, t)], 50)
-        t_ours = _graph_time_us([lambda h=h, s=s: R.swiglu_clamp(h, LIMIT, s)], 50)
-        want = R.swiglu_clamp_bf16(h, LIMIT)
-        R.swiglu_clamp(h, LIMIT, s)
+        tmp = torch.empty(2, min(rows, CHUNK), i, dtype=torch.float32, device="cuda")
+        t_torch = graph_time_us([lambda h=h, s=s, t=tmp: S.swiglu_clamp_bf16(h, LIMIT, s, t)], 50)
+        t_ours = graph_time_us([lambda h=h, s=s: S.swiglu_clamp(h, LIMIT, s)], 50)
+        want = S.swiglu_clamp_bf16(h, LIMIT)
+        S.swiglu_clamp(h, LIMIT, s)
         out.append({
             "rows": rows, "I": i, "torch_us": round(t_torch, 2), "kernel_us": round(t_ours, 2),
             "speedup": round(t_torch / t_ours, 2),
@@ -44,13 +50,19 @@ def run(shapes: list[tuple[int, int]] = SHAPES) -> list[dict]:
     return out
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options (argparse exits 2 on a bad one, before anything runs)."""
+    p = make_parser("cutedsl.bench.swiglu", __doc__, EXAMPLES)
+    p.add_argument("--json", default="", metavar="PATH", help="write the rows and meta as JSON")
+    p.add_argument("--md", default="", metavar="PATH", help="write the readable table")
+    return p.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default="")
-    ap.add_argument("--md", default="")
-    a, _ = ap.parse_known_args(argv)  # `python -m cutedsl.bench` passes every benchmark's args
-    if not torch.cuda.is_available():
-        print("cutedsl.bench.swiglu: needs a CUDA GPU", file=sys.stderr)
+    a = parse_args(argv)
+    problem = gpu_problem()
+    if problem:
+        print(f"cutedsl.bench.swiglu: {problem}", file=sys.stderr)
         return 1
     rows = run()
     meta = {

@@ -1,22 +1,60 @@
-"""`python -m cutedsl.bench.tune_sm90 SWEEP.json [...] -o cutedsl/tuned/sm90_h200_dense.json`
+"""Build the tuned tactic table of one GPU, `cutedsl/tuned/sm90/<device name, spaces as _>.json`
+(what `cutedsl.sm90.tactics.choose_tactic` reads on that GPU), from the JSON of
+`python -m cutedsl.bench.gemm_sm90 --sweep grid` runs on it (a table tool: no GPU needed).
 
-Build the measured dense / grouped tactic table of `cutedsl.sm90.choose_tactic` from the JSON of
-`python -m cutedsl.bench.gemm_sm90 --sweep grid` runs: for every (N, K, groups) and measured M,
-the fastest tactic timed. Later files win for the same (shape, M). The table keeps its provenance
-(commands, dates, devices of the sweeps) and, per entry, the time of the chosen tactic and of the
-runner-up, so a reader can see how close a call was. MoE shapes are skipped (routed rows per
-expert are unknown on the host; their tactic stays a rule)."""
+For every (N, K, groups) and measured M, the fastest tactic timed; later files win for the same
+(shape, M). MoE shapes are skipped (routed rows per expert are unknown on the host; their tactic
+stays a rule). Every sweep must come from one device: the table's meta records its name and SM
+count (the sweeps' "device" and "sms"; --num-sms where a sweep does not record it), and the loader
+ignores the table on a GPU of that name with another SM count. The meta also keeps the provenance
+(commands, dates, devices of the sweeps) and each entry the time of the chosen tactic and of the
+runner-up, so a reader can see how close a call was. One line per (shape, M) entry: readable diffs.
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
+from pathlib import Path
+
+from cutedsl.bench.common import make_parser
+from cutedsl.sm90.tactics import GpuSpec
+
+EXAMPLES = [
+    "python -m cutedsl.bench.tune_sm90 sweep.json   # -> cutedsl/tuned/sm90/NVIDIA_H200.json "
+    "on an H200's sweep",
+    "python -m cutedsl.bench.tune_sm90 sweep.json sweep_m2048.json -o /tmp/table.json",
+    'python -m cutedsl.bench.tune_sm90 old_sweep.json --num-sms 132   # a sweep without "sms"',
+]
 
 
-def table_from_sweeps(sweeps: list[dict]) -> dict:
-    """{"meta": {...}, "dense": {"N,K,G": {"M": {"tactic": [tn, tm, sk], "us": t, "next": ...}}}}"""
+def sweep_device(sweeps: list[dict], num_sms: int | None = None) -> GpuSpec:
+    """The GPU every sweep ran on (its name, and its SM count from the sweeps' "sms", else
+    `num_sms`). ValueError when the sweeps disagree, a device is missing, or the SM count is
+    unknown or contradicts `num_sms`."""
+    names = {sw.get("device") for sw in sweeps}
+    if len(names) != 1 or None in names:
+        raise ValueError(
+            f"the sweeps must come from one named device, got {sorted(map(str, names))}"
+        )
+    recorded = {sw["sms"] for sw in sweeps if sw.get("sms") is not None}
+    if len(recorded) > 1:
+        raise ValueError(f"the sweeps ran on GPUs of different SM counts: {sorted(recorded)}")
+    if num_sms is not None and recorded and num_sms not in recorded:
+        raise ValueError(f"--num-sms {num_sms}, but the sweeps record {recorded.pop()} SMs")
+    if num_sms is None:
+        if len(recorded) != 1 or any(sw.get("sms") is None for sw in sweeps):
+            raise ValueError('a sweep does not record its SM count ("sms"): pass --num-sms')
+        num_sms = recorded.pop()
+    if num_sms <= 0:
+        raise ValueError(f"--num-sms {num_sms}: expected > 0")
+    return GpuSpec(names.pop(), num_sms)
+
+
+def table_from_sweeps(sweeps: list[dict], spec: GpuSpec) -> dict:
+    """{"meta": {...}, "dense": {"N,K,G": {"M": {"tactic": [tn, tm, sk], "us": t, "next": ...}}}}
+    for the GPU `spec` (`sweep_device`)."""
     dense: dict[str, dict[str, dict]] = {}
     sources = []
     for sw in sweeps:
@@ -39,9 +77,11 @@ def table_from_sweeps(sweeps: list[dict]) -> dict:
         dense[key] = dict(sorted(dense[key].items(), key=lambda kv: int(kv[0])))
     meta = {
         "what": "fastest measured (tile_n, tile_m, split_k) per dense / grouped shape and M, from "
-        "`python -m cutedsl.bench.gemm_sm90 --sweep grid`; cutedsl.sm90.choose_tactic uses the "
-        "entry of the smallest measured M >= m, and its rule beyond the largest",
+        "`python -m cutedsl.bench.gemm_sm90 --sweep grid`; cutedsl.sm90.tactics.choose_tactic uses "
+        "the entry of the smallest measured M >= m, and its rule beyond the largest",
         "built_by": "python -m cutedsl.bench.tune_sm90",
+        "device": spec.name,
+        "num_sms": spec.num_sms,
         "sources": sources,
     }
     return {"meta": meta, "dense": dense}
@@ -65,24 +105,47 @@ def format_table(table: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cutedsl.bench.tune_sm90", description=__doc__)
-    p.add_argument("sweeps", nargs="+", help="JSON files of --sweep grid runs")
-    p.add_argument("-o", "--out", required=True, help="table JSON to write")
+    p = make_parser("cutedsl.bench.tune_sm90", __doc__, EXAMPLES)
+    p.add_argument("sweeps", nargs="+", help="JSON files of gemm_sm90 --sweep grid runs")
+    p.add_argument(
+        "-o",
+        "--out",
+        default=None,
+        help="table JSON to write (default: cutedsl/tuned/sm90/<the sweeps' device>.json)",
+    )
+    p.add_argument(
+        "--num-sms",
+        type=int,
+        default=None,
+        help="the GPU's SM count, where a sweep does not record it",
+    )
     args = p.parse_args(argv)
     sweeps = []
     for path in args.sweeps:
-        with open(path) as f:
-            sweeps.append(json.load(f))
-    table = table_from_sweeps(sweeps)
+        try:
+            with open(path) as f:
+                sweeps.append(json.load(f))
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"tune_sm90: cannot read {path}: {e}", file=sys.stderr)
+            return 2
+    try:
+        spec = sweep_device(sweeps, args.num_sms)
+    except ValueError as e:
+        print(f"tune_sm90: {e}", file=sys.stderr)
+        return 2
+    table = table_from_sweeps(sweeps, spec)
     if not table["dense"]:
-        print(f"no dense / grouped rows with a grid sweep in {args.sweeps}", file=sys.stderr)
+        print(
+            f"tune_sm90: no dense / grouped rows with a grid sweep in {args.sweeps}",
+            file=sys.stderr,
+        )
         return 1
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(format_table(table))
-    os.replace(tmp, args.out)  # never a half-written table
+    out = Path(args.out) if args.out else spec.table_file
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(format_table(table))
+    os.replace(tmp, out)  # never a half-written table
     n = sum(len(v) for v in table["dense"].values())
-    print(f"{args.out}: {len(table['dense'])} shapes, {n} entries")
+    print(f"{out}: {spec.name} ({spec.num_sms} SMs), {len(table['dense'])} shapes, {n} entries")
     return 0
 
 
