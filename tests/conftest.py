@@ -46,17 +46,19 @@ def emulated_device(monkeypatch: pytest.MonkeyPatch) -> None:
 
     import torch
 
-    from cutedsl import sm100
+    from cutedsl.sm100 import emulate
+    from cutedsl.sm100 import gemm as launchers
 
     def quant(x, gs, padded_t, q, sf):
-        eq, esf = sm100.expected_quant(x, gs, padded_t)
+        eq, esf = emulate.expected_quant(x, gs, padded_t)
         q.copy_(eq)
         sf.copy_(esf.view(torch.uint8))
 
     def gemm(a, a_sf, b, b_sf, alpha, out, **kw):
-        sm100.emulate_gemm(
+        emulate.emulate_gemm(
             a, a_sf.view(torch.float8_e4m3fn), b, b_sf.view(torch.float8_e4m3fn), alpha, out, **kw
         )
 
-    monkeypatch.setattr(sm100, "quantize_act", quant)
-    monkeypatch.setattr(sm100, "gemm", gemm)
+    # `linear` / `grouped` / `moe` look both up as globals of cutedsl.sm100.gemm at call time.
+    monkeypatch.setattr(launchers, "quantize_act", quant)
+    monkeypatch.setattr(launchers, "gemm", gemm)

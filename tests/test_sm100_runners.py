@@ -15,11 +15,14 @@ from nvfp4_data import assert_close_to_ref, bf16, fresh_gen, quantized
 from nvfp4_data import no_reserve as _no_reserve
 from nvfp4_data import warm_and_poison as _warm
 
-from cutedsl import formats, reference, sm100, sm100_runners, workspace
+from cutedsl import formats, reference, workspace
 from cutedsl.grouped_oproj import Nvfp4GroupedOproj
 from cutedsl.linear import Nvfp4Linear
 from cutedsl.moe import Nvfp4MoE
 from cutedsl.shared_mlp import Nvfp4SharedMlp
+from cutedsl.sm100 import gemm as launchers
+from cutedsl.sm100 import layout
+from cutedsl.sm100 import runners as sm100_runners
 from cutedsl.workspace import Workspace, WorkspaceError
 
 LIMIT = 10.0
@@ -29,7 +32,7 @@ LIMIT = 10.0
 def warm(emulated_device, monkeypatch: pytest.MonkeyPatch):
     """The emulated kernels, fresh shared workspaces, no compile; returns `_warm`."""
     monkeypatch.setattr(workspace, "_SHARED", {})
-    monkeypatch.setattr(sm100, "warmup", lambda limit=None: None)
+    monkeypatch.setattr(launchers, "precompile", lambda limit=None: None)
     return _warm
 
 
@@ -53,7 +56,7 @@ def test_linear(warm, monkeypatch, m: int) -> None:
     x = bf16(m, 512, gen=g)
     wq, xs = quantized(256, 512, gen=g), _in_scale(x)
     r = Nvfp4Linear(*wq, input_scale=xs, backend="reference")
-    impl = sm100_runners.linear_impl(r)
+    impl = sm100_runners.Linear(r)
     warm(impl, 130)
     for xx in (x, bf16(m + 3, 512, gen=g)):
         with _no_reserve(monkeypatch):
@@ -69,7 +72,7 @@ def test_grouped_oproj(warm, monkeypatch) -> None:
     x = bf16(t, grp, d, gen=g)
     wq, xs = quantized(grp * rr, d, gen=g), _in_scale(x)
     r = Nvfp4GroupedOproj(*wq, input_scale=xs, n_groups=grp, backend="reference")
-    impl = sm100_runners.grouped_oproj_impl(r)
+    impl = sm100_runners.GroupedOproj(r)
     warm(impl, 128)
     for xx in (x, bf16(128, grp, d, gen=g)):
         with _no_reserve(monkeypatch):
@@ -87,7 +90,7 @@ def test_shared_mlp(warm, monkeypatch) -> None:
     w13, w2 = quantized(2 * i, h, gen=g), quantized(h, i, gen=g, scale=0.3)
     a13, a2 = _in_scale(x), torch.tensor(12.0 / 2688)
     r = Nvfp4SharedMlp(*w13, a13, *w2, a2, swiglu_limit=LIMIT, backend="reference")
-    impl = sm100_runners.shared_mlp_impl(r)
+    impl = sm100_runners.SharedMlp(r)
     warm(impl, 8)
     assert set(workspace._SHARED) == {(torch.device("cpu"), "shared")}  # not "main"
     for xx in (x, bf16(8, h, gen=g, scale=3.0)):
@@ -108,8 +111,8 @@ def test_moe_uses_max_input_scale(warm, monkeypatch) -> None:
     a13 = torch.full((e,), float(_in_scale(x))) * torch.tensor([0.5, 1.0, 0.25])
     a2 = torch.full((e,), 6.0 / 2688)
     r = Nvfp4MoE(*w13, a13, *w2, a2, swiglu_limit=LIMIT, backend="reference")
-    impl = sm100_runners.moe_impl(r)
-    monkeypatch.setattr(sm100, "COMBINE_CHUNK", 7)  # several combine chunks
+    impl = sm100_runners.MoE(r)
+    monkeypatch.setattr(layout, "COMBINE_CHUNK", 7)  # several combine chunks
     warm(impl, m)
     for mm in (m, 4):
         xx = x[:mm] if mm == m else bf16(mm, h, gen=g, scale=2.0)
@@ -138,16 +141,16 @@ def test_moe_layout_gather_combine_into_workspace() -> None:
     m, topk, e, hid = 37, 3, 4, 64
     ids = torch.randint(-1, e, (m, topk), generator=g).int()
     x, tw = bf16(m, hid, gen=g), torch.rand(m, topk, generator=g)
-    rows = sm100.moe_max_rows(m, topk, e)
+    rows = layout.moe_max_rows(m, topk, e)
     ws = Workspace("cpu", "t")
-    sm100.moe_reserve(ws, m, topk, e, hid, 32)
+    launchers.moe_reserve(ws, m, topk, e, hid, 32)
     for b in ws._bufs.values():
         b.fill_(0xFF)
-    offs, dest = sm100.moe_layout(ids, e, ws)
-    offs0, dest0 = sm100.moe_layout(ids, e)
+    offs, dest = layout.moe_layout(ids, e, ws)
+    offs0, dest0 = layout.moe_layout(ids, e)
     assert torch.equal(offs, offs0) and torch.equal(dest, dest0)
-    a = sm100.moe_gather(x, dest, topk, rows, ws, out=ws.get("a", (rows, hid), torch.bfloat16))
-    assert torch.equal(a, sm100.moe_gather(x, dest0, topk, rows))
+    a = layout.moe_gather(x, dest, topk, rows, ws, out=ws.get("a", (rows, hid), torch.bfloat16))
+    assert torch.equal(a, layout.moe_gather(x, dest0, topk, rows))
     # independent statement of the combine: Σ_s w[m, s] · y[dest[m, s]] over local slots
     y = bf16(rows, hid, gen=g)
     d = dest0.view(m, topk)
@@ -155,11 +158,11 @@ def test_moe_layout_gather_combine_into_workspace() -> None:
     for s in range(topk):
         ok = d[:, s] >= 0
         want[ok] += tw[ok, s, None] * y[d[ok, s]].float()
-    got = sm100.moe_combine(y, dest, tw, ws)
+    got = layout.moe_combine(y, dest, tw, ws)
     assert torch.allclose(got, want, atol=1e-6, rtol=1e-6)
 
 
 def test_missing_input_scale_is_refused() -> None:
     r = Nvfp4Linear(*quantized(256, 512, gen=fresh_gen()), backend="reference")
     with pytest.raises(ValueError, match="input_scale: the sm100 .* needs the static input scale"):
-        sm100_runners.linear_impl(r)
+        sm100_runners.Linear(r)
