@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from cutedsl.golden import golden_logits, load_model, logprob_cosine
+    from cutedsl.tools.golden import golden_logits, load_model, logprob_cosine
     from cutedsl.tools.tiny_model import DEFAULT_EXPERT_SHARED, DEFAULT_ROUTER_GAIN, generate
 
     if a.router_gain is None:

@@ -281,7 +281,7 @@ def worker(args) -> dict:
 def compare(ckpt: str, dense: list, golden_models: dict) -> list[dict]:
     import torch
 
-    from cutedsl.golden import golden_logits, logprob_cosine
+    from cutedsl.tools.golden import golden_logits, logprob_cosine
 
     out = []
     for d in dense:
@@ -541,7 +541,7 @@ def main() -> int:
             collect(m, *launch(m))
 
     if dense_all:
-        from cutedsl.golden import load_model
+        from cutedsl.tools.golden import load_model
 
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         t0 = time.time()

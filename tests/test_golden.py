@@ -1,4 +1,4 @@
-"""cutedsl.golden: HF transformers 5.17.0 DeepseekV4ForCausalLM on dequantized checkpoints (CPU)."""
+"""cutedsl.tools.golden: HF transformers 5.17.0 DeepseekV4ForCausalLM on dequantized checkpoints (CPU)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from cutedsl import golden as G
+from cutedsl.tools import golden as G
 from cutedsl.tools import tiny_model as TM
 
 MICRO = {"hidden_size": 512, "n_routed_experts": 8, "moe_intermediate_size": 128, "vocab_size": 256}
@@ -119,7 +119,7 @@ type(current_platform).device_type = "cpu"
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
-from cutedsl.golden import hf_config
+from cutedsl.tools.golden import hf_config
 from cutedsl.tools.tiny_model import make_config
 cfg = make_config("tiny", "native")
 out = {}

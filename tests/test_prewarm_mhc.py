@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cutedsl.tools import prewarm_mhc as pw
+from cutedsl.tools.cli import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,13 +54,20 @@ def test_split_work_covers_each_count_once() -> None:
 
 
 def test_config_errors_name_the_file(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="config.json not found"):
+    with pytest.raises(UsageError, match="does not exist"):
+        pw.mhc_config(tmp_path / "nowhere")
+    with pytest.raises(UsageError, match="config.json not found"):
         pw.mhc_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(SystemExit, match="is not JSON"):
+    with pytest.raises(UsageError, match="is not JSON"):
         pw.mhc_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-    with pytest.raises(SystemExit, match="not a DeepSeek V4 config"):
+    with pytest.raises(UsageError, match="not a DeepSeek V4 config"):
+        pw.mhc_config(tmp_path)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "deepseek_v4", "hidden_size": "big"})
+    )
+    with pytest.raises(UsageError, match="hidden_size must be an integer >= 1, got 'big'"):
         pw.mhc_config(tmp_path)
 
 

@@ -206,10 +206,17 @@ def test_existing_dst_and_cli(sources, tmp_path):
     (dst / "keep").write_text("x")
     with pytest.raises(FileExistsError):
         Q.convert(sources["native"], str(dst))
-    assert (dst / "keep").exists()
+    assert (dst / "keep").read_text() == "x"
     assert Q.main([sources["native"], str(dst)]) == 2  # CLI refuses too, exit code 2
-    assert Q.main([sources["native"], str(dst), "--force"]) == 0
-    assert (
-        not (dst / "keep").exists()
-        and Q.Checkpoint(str(dst)).config["quantization_config"]["quant_algo"] == "NVFP4"
-    )
+    # --force replaces only what a cutedsl tool wrote: a folder holding `keep` is refused.
+    assert Q.main([sources["native"], str(dst), "--force"]) == 2
+    assert sorted(os.listdir(dst)) == ["keep"] and (dst / "keep").read_text() == "x"
+    (dst / "keep").unlink()
+    assert Q.main([sources["native"], str(dst), "--force"]) == 0  # an empty folder: replaced
+    assert Q.Checkpoint(str(dst)).config["quantization_config"]["quant_algo"] == "NVFP4"
+    first = {f: (dst / f).read_bytes() for f in os.listdir(dst)}
+    # A converter output is replaced by --force (its marker lists every file).
+    assert Q.main([sources["bf16"], str(dst), "--force"]) == 0
+    assert Q.Checkpoint(str(dst)).scheme == "hf"  # the bf16 source is HF-named
+    assert {f: (dst / f).read_bytes() for f in os.listdir(dst)} != first
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f or ".old-" in f]

@@ -92,7 +92,7 @@ def test_hf_names_are_the_hf_model_state_dict():
     """Our HF names (experts fused as HF stores them) == DeepseekV4ForCausalLM's state dict."""
     from transformers import DeepseekV4ForCausalLM
 
-    from cutedsl.golden import hf_config
+    from cutedsl.tools.golden import hf_config
 
     cfg = TM.make_config("tiny", "bf16")
     with torch.device("meta"):
@@ -369,9 +369,9 @@ def test_fp8_block_and_mxfp4_codecs_known_answers():
 
 
 _PROBE = r"""
-import json, os, sys, tempfile, types
+import json, os, sys, types
 import torch
-ckpt = sys.argv[1]
+ckpt, dist_init = sys.argv[1], sys.argv[2]
 from vllm.platforms import current_platform
 from vllm.platforms.interface import DeviceCapability
 type(current_platform).device_type = "cpu"
@@ -403,7 +403,7 @@ vc = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"),
 out = {"quant": type(vc.quant_config).__name__, "file": _d4.__file__}
 with set_current_vllm_config(vc):
     init_distributed_environment(world_size=1, rank=0, local_rank=0,
-        distributed_init_method="file://" + tempfile.mktemp(), backend="gloo")
+        distributed_init_method="file://" + dist_init, backend="gloo")
     initialize_model_parallel(1, 1)
     with set_default_torch_dtype(torch.bfloat16):
         model = DeepseekV4ForCausalLM(vllm_config=vc)
@@ -451,7 +451,11 @@ def test_vllm_loader_fills_every_parameter(micro, fmt, tmp_path):
     script.write_text(_PROBE)
     path = micro[(fmt, "native")]
     r = subprocess.run(
-        [sys.executable, str(script), path], capture_output=True, text=True, timeout=600, cwd=REPO
+        [sys.executable, str(script), path, str(tmp_path / "dist_init")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
     )
     line = [x for x in r.stdout.splitlines() if x.startswith("PROBE_JSON ")]
     state = _upstream_state() if line else "?"

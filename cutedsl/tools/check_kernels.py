@@ -1,6 +1,7 @@
 """Compile every CuTeDSL kernel for its arch on a machine without a GPU and check the instructions.
 
-    python -m cutedsl.tools.check_kernels [--arch sm_90a|sm_100a] [--only SUBSTR] [--list] [--json F]
+    dsv4-check-kernels [--arch sm_90a|sm_100a] [--only SUBSTR] [--list] [--json F]
+    (or python -m cutedsl.tools.check_kernels ...)
 
 Each target (`cutedsl.kernels.checks.KernelTarget`) compiles in a fresh subprocess with
 `CUTE_DSL_ARCH=<arch>` and the PTX/cubin dumped to a temporary directory; the PTX must match every
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cutedsl.kernels.checks import KERNEL_MODULES, KernelTarget
+from cutedsl.tools import cli
+from cutedsl.tools.cli import UsageError
 
 
 @dataclass
@@ -139,17 +142,26 @@ def _child(module: str, name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", choices=["sm_90a", "sm_100a"], help="only targets of this arch")
-    ap.add_argument("--only", help="only targets whose name contains this")
+    ap = cli.make_parser("cutedsl.tools.check_kernels", "dsv4-check-kernels", __doc__)
+    ap.add_argument("--arch", choices=["sm_90a", "sm_100a"], help="only the targets of this arch")
+    ap.add_argument("--only", metavar="SUBSTR", help="only targets whose name contains SUBSTR")
     ap.add_argument("--list", action="store_true", help="list the targets and exit")
-    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--json", type=Path, help="write the results to this file")
     ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._child:
         _child(*args._child)
         return 0
+    return cli.run(ap.prog, lambda: _main(args), args.debug)
 
+
+def _main(args: argparse.Namespace) -> int:
+    if args.json is not None:
+        parent = args.json.resolve().parent
+        if args.json.is_dir():
+            raise UsageError(f"--json {args.json} is a folder; give a file name")
+        if not parent.is_dir():
+            raise UsageError(f"--json {args.json}: folder {parent} does not exist")
     targets = [
         (m, t)
         for m, t in collect()
@@ -160,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{t.arch:8s} {t.name:48s} {m}")
         return 0
     if not targets:
-        print("no kernel targets selected", file=sys.stderr)
-        return 1
+        sel = " ".join(f"--{k} {v}" for k, v in (("arch", args.arch), ("only", args.only)) if v)
+        raise UsageError(f"{sel or 'the selection'}: no kernel target matches (--list shows them)")
     results = []
     print(f"{'target':48s} {'arch':8s} {'compile s':>9s}  result")
     for m, t in targets:

@@ -1,6 +1,7 @@
 """Compile vLLM's token-count-dependent mHC TileLang kernels before a DeepSeek V4 server starts.
 
-    python -m cutedsl.tools.prewarm_mhc MODEL_DIR [--workers N] [--json F]
+    dsv4-prewarm-mhc MODEL_DIR [--workers N] [--timeout S] [--json F]
+    (or python -m cutedsl.tools.prewarm_mhc ...)
 
 vLLM 0.21.0's mHC ops (`vllm.model_executor.layers.mhc`) pick a split-K count from the number of
 tokens in the step (`compute_num_split`), and the split count is a compile-time argument of the
@@ -21,8 +22,8 @@ inputs: nothing of vLLM is patched. Needs a CUDA GPU. Exit status 0 when every c
 
 from __future__ import annotations
 
-import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -30,6 +31,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from cutedsl.tools import cli
+from cutedsl.tools.cli import UsageError
 
 # config.json keys the DeepSeek V4 decoder layer reads for its mHC calls (vllm deepseek_v4.py),
 # and the defaults vLLM's hf_config (transformers 5.17.0 DeepseekV4Config) gives the absent ones.
@@ -41,20 +45,34 @@ BLOCK_K = 64
 
 
 def mhc_config(model_dir: str | Path) -> dict:
-    """The mHC arguments of one checkpoint, from its config.json; a clear error when absent."""
+    """The mHC arguments of one checkpoint, from its config.json; UsageError naming the file."""
     path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        what = "is not a folder" if Path(model_dir).exists() else "does not exist"
+        raise UsageError(f"MODEL_DIR {model_dir} {what}")
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
-        raise SystemExit(f"prewarm_mhc: error: {path} not found") from None
-    except ValueError as e:
-        raise SystemExit(f"prewarm_mhc: error: {path} is not JSON: {e}") from None
+        raise UsageError(f"{path} not found") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise UsageError(f"{path} is not JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{path} is not a JSON object")
     if cfg.get("model_type") != "deepseek_v4" or "hidden_size" not in cfg:
-        raise SystemExit(
-            f"prewarm_mhc: error: {path} is not a DeepSeek V4 config (model_type "
+        raise UsageError(
+            f"{path} is not a DeepSeek V4 config (model_type "
             f"{cfg.get('model_type')!r}, hidden_size {cfg.get('hidden_size')!r})"
         )
-    return {k: cfg.get(k, CONFIG_DEFAULTS.get(k)) for k in CONFIG_KEYS}
+    out = {k: cfg.get(k, CONFIG_DEFAULTS.get(k)) for k in CONFIG_KEYS}
+    for k in ("hidden_size", "hc_mult", "hc_sinkhorn_iters"):
+        v = out[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UsageError(f"{path}: {k} must be an integer >= 1, got {v!r}")
+    for k in ("hc_eps", "rms_norm_eps"):
+        v = out[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise UsageError(f"{path}: {k} must be a finite number, got {v!r}")
+    return out
 
 
 def token_counts(num_split: Callable[[int], int], limit: int = 1 << 20) -> list[int]:
@@ -133,8 +151,12 @@ def split_work(counts: list[int], workers: int) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", help="checkpoint directory (its config.json gives the mHC arguments)")
+    ap = cli.make_parser("cutedsl.tools.prewarm_mhc", "dsv4-prewarm-mhc", __doc__)
+    ap.add_argument(
+        "model",
+        metavar="MODEL_DIR",
+        help="checkpoint folder (its config.json gives the mHC arguments)",
+    )
     ap.add_argument(
         "--workers",
         type=int,
@@ -145,22 +167,30 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout",
         type=float,
         default=900.0,
-        help="seconds for the whole prewarm; then the workers are stopped and it fails",
+        help="seconds for the whole prewarm (> 0); then the workers are stopped and it fails",
     )
-    ap.add_argument("--json", default="", help="write the counts and timings here")
+    ap.add_argument("--json", default="", help="write the counts and timings to this file")
     a = ap.parse_args(argv)
     if a.workers < 1:
-        ap.error(f"--workers must be >= 1, got {a.workers}")
+        ap.error(f"argument --workers: must be >= 1, got {a.workers}")
+    if not (math.isfinite(a.timeout) and a.timeout > 0):
+        ap.error(f"argument --timeout: must be a positive number of seconds, got {a.timeout}")
+    return cli.run(ap.prog, lambda: _main(a), a.debug)
+
+
+def _main(a) -> int:
+    if a.json:
+        parent = Path(a.json).resolve().parent
+        if Path(a.json).is_dir():
+            raise UsageError(f"--json {a.json} is a folder; give a file name")
+        if not parent.is_dir():
+            raise UsageError(f"--json {a.json}: folder {parent} does not exist")
     cfg = mhc_config(a.model)
 
     import torch
 
     if not torch.cuda.is_available():
-        print(
-            "prewarm_mhc: error: no CUDA GPU is visible (the kernels compile for it)",
-            file=sys.stderr,
-        )
-        return 1
+        raise UsageError("no CUDA GPU is visible (the kernels compile for it)")
     counts = token_counts(_vllm_num_split(cfg["hc_mult"] * cfg["hidden_size"]))
     parts = split_work(counts, a.workers)
     cache = os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
@@ -175,23 +205,29 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     done, errors = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(cfg, p, done, errors)) for p in parts]
-    for p in procs:
-        p.start()
-    with tqdm(total=len(counts), desc="prewarm_mhc", unit="count") as bar:
-        finished = 0
-        timed_out = False
-        while finished < len(counts):
-            if time.monotonic() - t0 > a.timeout:
-                timed_out = True
-                break
-            try:
-                done.get(timeout=1.0)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break  # a worker failed: its error is in `errors`
-                continue
-            finished += 1
-            bar.update(1)
+    finished = 0
+    timed_out = False
+    try:
+        for p in procs:
+            p.start()
+        with tqdm(total=len(counts), desc="prewarm_mhc", unit="count") as bar:
+            while finished < len(counts):
+                if time.monotonic() - t0 > a.timeout:
+                    timed_out = True
+                    break
+                try:
+                    done.get(timeout=1.0)
+                except queue.Empty:
+                    if not any(p.is_alive() for p in procs):
+                        break  # a worker failed: its error is in `errors`
+                    continue
+                finished += 1
+                bar.update(1)
+    except BaseException:  # SIGTERM / Ctrl-C (cutedsl.tools.cli): stop the workers too
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        raise
     for p in procs:
         if timed_out:
             p.terminate()

@@ -1,12 +1,13 @@
 """Golden reference: HF transformers 5.17.0 `DeepseekV4ForCausalLM` on dequantized weights.
 
-    python -m cutedsl.golden CKPT (--tokens 1,2,3 | --random N [--seed S]) --out logits.pt
+    dsv4-golden CKPT (--tokens 1,2,3 | --random N [--seed S]) [--out logits.pt [--force]]
         [--device cpu|cuda] [--dtype float32|bfloat16] [--swa-rope hf|vllm] [--rms]
+    (or python -m cutedsl.tools.golden ...)
 
 Loads any checkpoint `cutedsl.tools.tiny_model` writes (native, native-fp8, nvfp4, nvidia-mixed,
 bf16; native or HF names; also the converter's output): every quantized projection is
 dequantized (FP8 block, MXFP4, NVFP4 -> the exact real values), mapped to HF module names by
-`cutedsl.tools.names` (the one mapping) and loaded into the HF model, which nobody on this project
+`cutedsl.names` (the one mapping) and loaded into the HF model, which nobody on this project
 wrote. The model computes in float32 by default (the dequantized weights are exact in fp32, so
 the only approximations are the HF model's own); `--dtype bfloat16` casts every parameter to
 BF16 (HF 5.17's mixed fp32-norm/bf16 layout does not run: fp32 RMSNorm output meets bf16 q_a_proj).
@@ -17,6 +18,10 @@ layer), instead of plain RoPE theta=rope_theta as HF and DeepSeek's reference do
 `inference/model.py`: "disable YaRN ... in pure sliding-window attention"). Use it to separate that
 known difference from real bugs.
 
+The arguments, the checkpoint's config.json, shard headers and tensor layout, the token ids
+(inside the vocabulary) and the --out folder are all checked before the model is built; --out is
+written beside itself and renamed (mode from the umask), and is not replaced without --force.
+
 API: `load_model(ckpt, device, dtype, swa_rope)`, `golden_logits(model, token_ids)` -> float32
 [T, V] (one full causal forward: logits at position t depend on tokens <= t only, so it serves
 prefill and teacher-forced decode positions alike), `layer_rms(model, token_ids)`.
@@ -24,15 +29,28 @@ prefill and teacher-forced decode positions alike), `layer_rms(model, token_ids)
 
 from __future__ import annotations
 
-import argparse
 import copy
+import os
 import sys
+import tempfile
 
 import torch
 
-from cutedsl.tools import names as N
+from cutedsl import names as N
+from cutedsl.tools import cli
+from cutedsl.tools.checkpoint import Checkpoint, read_linear, validate_layout
+from cutedsl.tools.cli import UsageError
+from cutedsl.tools.schema import detect_format, tensor_specs
 
-__all__ = ["hf_config", "dequantized_state_dict", "load_model", "golden_logits", "layer_rms"]
+__all__ = [
+    "hf_config",
+    "dequantized_state_dict",
+    "load_model",
+    "golden_logits",
+    "logprob_cosine",
+    "layer_rms",
+    "main",
+]
 
 
 def hf_config(cfg: dict, swa_rope: str = "hf"):
@@ -62,10 +80,8 @@ def dequantized_state_dict(
     `dtype` too; tid2eid stays int64. Experts are fused as HF stores them:
     gate_up_proj [E, 2I, H] = cat(w1, w3), down_proj [E, H, I].
     """
-    from cutedsl.tools.quantize import Checkpoint, read_linear
-    from cutedsl.tools.tiny_model import tensor_specs
-
     ck = Checkpoint(ckpt)
+    validate_layout(ck, detect_format(ck.config))
     cfg = ck.config
     sd: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
@@ -107,8 +123,6 @@ def load_model(
     """
     from transformers import DeepseekV4ForCausalLM
     from transformers.initialization import no_init_weights
-
-    from cutedsl.tools.quantize import Checkpoint
 
     cfg = Checkpoint(ckpt).config
     hc = hf_config(cfg, swa_rope)
@@ -185,35 +199,113 @@ def layer_rms(model, token_ids) -> dict[str, float]:
     return rec
 
 
+def _token_ids(text: str) -> list[int]:
+    ids = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            ids.append(int(item))
+        except ValueError:
+            raise UsageError(f"--tokens: {item!r} is not an integer token id") from None
+    if not ids:
+        raise UsageError("--tokens: no token ids given")
+    return ids
+
+
+def _check_out(out: str, ckpt: str, force: bool) -> None:
+    parent = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise UsageError(f"--out {out} is a folder; give a file name")
+    if not os.path.isdir(parent):
+        raise UsageError(f"--out {out}: folder {parent} does not exist")
+    if cli.is_within(out, ckpt):
+        raise UsageError(f"--out {out} lies inside the checkpoint {ckpt}; write it elsewhere")
+    if os.path.lexists(out) and not force:
+        raise FileExistsError(f"--out {out} exists; pass --force to replace it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"--out {out}: folder {parent} is not writable")
+
+
+def _save(obj: dict, out: str) -> None:
+    """torch.save into a temporary file beside `out`, then rename (mode from the umask)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(
+        os.path.abspath(out)))  # fmt: skip
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+        os.chmod(tmp, cli.output_mode(directory=False))
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m cutedsl.golden",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("ckpt")
+    ap = cli.make_parser("cutedsl.tools.golden", "dsv4-golden", __doc__)
+    ap.add_argument("ckpt", metavar="CKPT", help="DeepSeek V4 checkpoint folder (any format)")
     g = ap.add_mutually_exclusive_group(required=True)
-    g.add_argument("--tokens", help="comma-separated token ids")
-    g.add_argument("--random", type=int, metavar="N", help="N random token ids in [2, vocab)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="torch.save {'token_ids', 'logits'} here")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--swa-rope", default="hf", choices=("hf", "vllm"))
+    g.add_argument("--tokens", help="comma-separated token ids, each in [0, vocab_size)")
+    g.add_argument(
+        "--random", type=int, metavar="N", help="N >= 1 random token ids in [2, vocab_size)"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
+    ap.add_argument("--out", default=None, help="torch.save {'token_ids', 'logits'} to this file")
+    ap.add_argument("--force", action="store_true", help="replace an existing --out file")
+    ap.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda, cuda:N)")
+    ap.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype"
+    )
+    ap.add_argument(
+        "--swa-rope",
+        default="hf",
+        choices=("hf", "vllm"),
+        help="RoPE of the sliding-window layers: plain (hf) or YaRN as vLLM 0.21.0 applies it",
+    )
     ap.add_argument("--rms", action="store_true", help="print per-layer activation RMS")
     a = ap.parse_args(argv)
-    model = load_model(a.ckpt, a.device, getattr(torch, a.dtype), a.swa_rope)
-    if a.tokens:
-        ids = [int(t) for t in a.tokens.split(",") if t.strip()]
+    return cli.run(ap.prog, lambda: _main(a), a.debug)
+
+
+def _main(a) -> int:
+    ids = None
+    if a.tokens is not None:
+        ids = _token_ids(a.tokens)
+    elif a.random < 1:
+        raise UsageError(f"--random: must be >= 1, got {a.random}")
+    try:
+        dev = torch.device(a.device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device: {a.device!r} is not a device (cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {a.device}: no CUDA GPU is visible")
+    if a.out is not None:
+        _check_out(a.out, a.ckpt, a.force)
+    ck = Checkpoint(a.ckpt)
+    validate_layout(ck, detect_format(ck.config))
+    vocab = ck.config["vocab_size"]
+    if ids is not None:
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise UsageError(
+                f"--tokens: id {bad[0]} is outside the vocabulary [0, {vocab}) of {a.ckpt}"
+            )
+    elif vocab <= 2:
+        raise UsageError(f"--random: {a.ckpt} has vocab_size {vocab}; ids start at 2")
     else:
         gen = torch.Generator().manual_seed(a.seed)
-        ids = torch.randint(2, model.config.vocab_size, (a.random,), generator=gen).tolist()
+        ids = torch.randint(2, vocab, (a.random,), generator=gen).tolist()
+    model = load_model(a.ckpt, a.device, getattr(torch, a.dtype), a.swa_rope)
     if a.rms:
         for k, v in layer_rms(model, ids).items():
             print(f"{k:24s} {v:.4f}")
     logits = golden_logits(model, ids)
     if a.out:
-        torch.save({"token_ids": ids, "logits": logits.cpu()}, a.out)
+        if os.path.lexists(a.out) and not a.force:  # appeared during the forward pass
+            raise FileExistsError(f"--out {a.out} exists; pass --force to replace it")
+        _save({"token_ids": ids, "logits": logits.cpu()}, a.out)
     top = logits.argmax(-1)
     print(
         f"T={len(ids)} V={logits.shape[-1]} logits std {logits.std():.4f}, "
