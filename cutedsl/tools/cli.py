@@ -92,7 +92,10 @@ def version_text() -> str:
             have = md.version(name)
         except md.PackageNotFoundError:
             have = None
-        note = "" if have is not None and have.split("+")[0] == want else f" [installed {have}]"
+        if have is None:
+            note = " [not installed]"
+        else:
+            note = "" if have.split("+")[0] == want else f" [installed {have}]"
         parts.append(f"{name}=={want}{note}")
     return f"{DIST} {ver} (pinned: {', '.join(parts) or 'unknown'})"
 
