@@ -90,6 +90,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             "this is not a pass"
         )
         if tr is not None:
+            tr.ensure_newline()
             tr.write_line(msg, red=True, bold=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
