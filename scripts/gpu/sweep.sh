@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The SM90 GEMM / runner / routing GPU tests, then the dense tactic grid sweep (every tile_n x token
 # tile x split-K the kernel takes, `--sweep grid`) on the Flash dense shapes. Needs no vLLM.
-# `python -m cutedsl.bench.tune_sm90 $OUT/sweep.json ... -o cutedsl/tuned/sm90_h200_dense.json`
+# `python -m cutedsl.bench.tune_sm90 $OUT/sweep.json ... (writes cutedsl/tuned/sm90/<device name>.json)`
 # turns sweep JSONs into the measured tactic table. Results in $OUT: sweep.json/.md, gpu_tests.xml,
 # logs, device.txt, summary.txt.
 #   LIMIT=570 SHAPES=fused_wqa_wkv,wq_b MS=64,128 bash scripts/gpu/sweep.sh     (TESTS=0: no tests)
