@@ -36,7 +36,7 @@ def test_a_register_limit_fails() -> None:
     """The register check bites: a limit below the kernel's real count fails the check."""
     import dataclasses
 
-    module, target = next((m, t) for m, t in TARGETS if "gemm_sm90" in m)
+    module, target = next((m, t) for m, t in TARGETS if m == "cutedsl.sm90.kernels.gemm")
     tight = dataclasses.replace(target, max_registers=16)
     r = check_kernels.run_target(module, tight)
     assert not r.ok and any("<= 16 registers" in x for x in r.missing), r

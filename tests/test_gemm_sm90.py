@@ -99,7 +99,7 @@ def test_staged_epilogue_limits(tile_m: int, split_k: int, moe: bool) -> None:
 
 
 # (tile_n, tile_m) -> stages: two CTAs per SM where registers allow it and >= 4 stages remain
-# (bench/experiments/stages.py, H200 2026-12-03), else the deepest ring that fits (<= 8)
+# (measured on the H200, 2026-12-03), else the deepest ring that fits (<= 8)
 STAGES = {
     (64, 16): 8, (64, 32): 8, (64, 64): 8, (64, 128): 6, (64, 256): 6,
     (128, 16): 8, (128, 32): 8, (128, 64): 8, (128, 128): 5, (128, 256): 6,

@@ -1,5 +1,5 @@
 """cutedsl.tools.prewarm_mhc on the CPU: which token counts it compiles, its config errors, and
-that serve.sh runs it. (The compiles themselves need a GPU: scripts/h200 serve runs.)"""
+that serve.sh runs it. (The compiles themselves need a GPU: scripts/gpu/serve_soak.sh runs them.)"""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ Conditioning for numerical comparison (every preset and format; the masters are 
 score-routed MoE layers pick top-k experts from continuous router scores, and in a random model
 the k-th and (k+1)-th scores are often within bf16 noise, so a bf16 run (vLLM, or HF in bf16)
 flips one expert at a few positions and those positions' logits jump (diagnosis in
-bench/results/cpu_2026-12-02_conditioning/). Two knobs bound that, both realistic for trained
+bench/results/cpu/README.md). Two knobs bound that, both realistic for trained
 MoEs (sharper routers, experts that share a common component):
   router_gain (DEFAULT_ROUTER_GAIN): ffn.gate is N(0, gain^2 / H), router logits of std ~gain, so
       sqrtsoftplus scores sit away from its flat offset near 0 and top-k margins are larger
