@@ -1,5 +1,5 @@
 """The package's import structure, read from the source (every import statement, function-local
-ones included; annotations-only imports under `if TYPE_CHECKING:` are not imports): no import cycle anywhere in `cutedsl/`, runtime code never imports the tools or
+ones included, and those under `if TYPE_CHECKING:`): no import cycle anywhere in `cutedsl/`, runtime code never imports the tools or
 the benchmarks, and each backend package is self-contained (sm90 and sm100 never import each
 other or the public runners)."""
 
@@ -19,24 +19,11 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node of `tree` outside `if TYPE_CHECKING:` blocks."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and ast.unparse(child.test).endswith("TYPE_CHECKING"):
-                todo.extend(child.orelse)
-                continue
-            todo.append(child)
-
-
 def _imports(name: str, path: Path) -> set[str]:
     """The cutedsl modules `name` imports (a `from pkg import x` names pkg.x when it is a module)."""
     out = set()
     is_pkg = path.name == "__init__.py"
-    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):

@@ -19,8 +19,6 @@ MoE layout allocate inside torch (an index arange, cub scratch), once per MoE ca
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from cutedsl import formats
@@ -28,12 +26,6 @@ from cutedsl.sm100 import gemm
 from cutedsl.sm100.layout import TILE_M, oproj_padded_t
 from cutedsl.sm100.weight import interleave_w13, prepare_weight
 from cutedsl.workspace import Workspace, for_role
-
-if TYPE_CHECKING:
-    from cutedsl.grouped_oproj import Nvfp4GroupedOproj
-    from cutedsl.linear import Nvfp4Linear
-    from cutedsl.moe import Nvfp4MoE
-    from cutedsl.shared_mlp import Nvfp4SharedMlp
 
 # Routed rows reserved per token: topk <= 8 (DSv4 uses 6).
 MAX_TOPK = 8
@@ -64,7 +56,7 @@ class Linear(_Warm):
     """y = alpha * quant(x) . W^T: x bf16 [M, K] -> bf16 [M, N]; NVFP4 activations in a private
     workspace (DSv4 runs two linears concurrently)."""
 
-    def __init__(self, r: Nvfp4Linear) -> None:
+    def __init__(self, r) -> None:
         self.w = prepare_weight(r.weight, r.weight_scale)
         self.a_scale = _need("input_scale", r.input_scale)
         self.alpha = self.a_scale * r.weight_scale_2
@@ -80,7 +72,7 @@ class Linear(_Warm):
 class GroupedOproj(_Warm):
     """wo_a: x bf16 [T, G, D] (read in place) -> bf16 [T, G, R]; workspace role "main"."""
 
-    def __init__(self, r: Nvfp4GroupedOproj) -> None:
+    def __init__(self, r) -> None:
         self.w = prepare_weight(r.weight, r.weight_scale, groups=r.n_groups)
         self.a_scale = _need("input_scale", r.input_scale)
         self.alpha = (self.a_scale * r.weight_scale_2).expand(r.n_groups).contiguous()
@@ -95,7 +87,7 @@ class GroupedOproj(_Warm):
         gemm.quant_reserve(for_role(self.device, "main"), rows, self.w.k)
 
 
-def _fused_limit(r: Nvfp4SharedMlp | Nvfp4MoE) -> float:
+def _fused_limit(r) -> float:
     if r.swiglu_limit is None:
         raise NotImplementedError("sm100: only the fused clamped SwiGLU exists; swiglu_limit=None")
     return float(r.swiglu_limit)
@@ -105,7 +97,7 @@ class SharedMlp(_Warm):
     """x bf16 [M, H] -> w13 GEMM + fused clamped SwiGLU -> w2 GEMM -> bf16 [M, H]; h and the
     NVFP4 activations in workspace role "shared" (vLLM may run it on a side stream)."""
 
-    def __init__(self, r: Nvfp4SharedMlp) -> None:
+    def __init__(self, r) -> None:
         self.limit = _fused_limit(r)
         self.w13 = prepare_weight(interleave_w13(r.w13), interleave_w13(r.w13_scale))
         self.w2 = prepare_weight(r.w2, r.w2_scale)
@@ -133,7 +125,7 @@ class MoE(_Warm):
     """Routed experts: (x, topk_ids, topk_weights, out) -> out [M, H] (written in place); every
     intermediate in workspace role "main"."""
 
-    def __init__(self, r: Nvfp4MoE) -> None:
+    def __init__(self, r) -> None:
         self.limit = _fused_limit(r)
         self.w13 = prepare_weight(interleave_w13(r.w13), interleave_w13(r.w13_scale))
         self.w2 = prepare_weight(r.w2, r.w2_scale)
