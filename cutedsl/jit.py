@@ -57,12 +57,19 @@ def _device_arch(index: int) -> str:
     return f"sm_{major}{minor}a"
 
 
+@functools.cache
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
 def target_arch() -> str:
-    """`$CUTE_DSL_ARCH`, else the current CUDA device's arch, else "none"."""
+    """`$CUTE_DSL_ARCH`, else the current CUDA device's arch, else "none". Called per launch (it is
+    part of the key): an environment lookup and, on a GPU, `current_device()` (CUDA availability
+    and each device's arch are read once per process)."""
     env = os.environ.get("CUTE_DSL_ARCH")
     if env:
         return env
-    if torch.cuda.is_available():
+    if _cuda_available():
         return _device_arch(torch.cuda.current_device())
     return "none"
 
@@ -85,7 +92,7 @@ def compiled(build: Callable[..., object], *args: Hashable, **kwargs: Hashable) 
     fn = _CACHE.get(key)
     if fn is not None:
         return fn
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _cuda_available() and torch.cuda.is_current_stream_capturing():
         raise CompileDuringCaptureError(
             f"{build.__module__}.{build.__qualname__}{args}{kwargs or ''}: not compiled before "
             "CUDA-graph capture; call the runner's warmup(max_tokens) first"
