@@ -5,7 +5,7 @@
         [--shapes 1024x1024,8192x1024] [--concurrency 1,8,32,64]
         [--prompts-per-concurrency 2 | --num-prompts N] [--seed 0] [--time-budget S]
         [--run-timeout S] [--min-run-s S] [--max-model-len N] [--fit-margin 16] [--log-dir DIR]
-        [--resume] [--warmup-requests N] --out FILE.json
+        [--resume] [--warmup-requests N] [--repeats N] [--in-process] --out FILE.json
 
 For every shape INxOUT (prompt tokens x output tokens) and every concurrency C it runs the real
 benchmark CLI of the installed vLLM as a subprocess (`python -m vllm.entrypoints.cli.main bench
@@ -35,6 +35,13 @@ capped at the remaining budget.
 calls); a point (effective shape, concurrency) with an "ok" record there is not run again, a
 record that was not ok is replaced when its point runs. The first header is kept; each resumed
 invocation is appended to header.resumed (command, date).
+
+--seed-per-run: the random dataset's seed is --seed plus the run's index, so no run repeats an
+earlier run's prompts (the server's prefix cache would serve them).
+--repeats N: run every point N times (all points once, then all again); records carry
+`repeat` (0-based). --in-process: call the CLI's own code (`vllm.benchmarks.serve.main`, the same
+arguments) in this process instead of a subprocess per run, which saves the CLI's start (~15-20 s of
+imports per run); a run is then not killed at its timeout (the driver's own timeout is the limit).
 
 --warmup-requests N: before the first run of a shape, N concurrent non-streamed requests of that
 shape's prompt length (random token ids, --warmup-max-tokens tokens, greedy), so that first-use
@@ -208,8 +215,9 @@ def device_name() -> str:
 
 
 def bench_command(a: argparse.Namespace, inp: int, out: int, conc: int, n: int, rdir: str,
-                  rfile: str) -> list[str]:  # fmt: skip
-    """argv of one `vllm bench serve` run (vLLM 0.21.0 flags)."""
+                  rfile: str, seed: int | None = None) -> list[str]:  # fmt: skip
+    """argv of one `vllm bench serve` run (vLLM 0.21.0 flags); seed: the random dataset's
+    (default --seed)."""
     cmd = [
         a.python, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
         "--backend", "vllm",
@@ -226,7 +234,7 @@ def bench_command(a: argparse.Namespace, inp: int, out: int, conc: int, n: int, 
         "--request-rate", "inf",
         "--ignore-eos",
         "--temperature", str(a.temperature),
-        "--seed", str(a.seed),
+        "--seed", str(a.seed if seed is None else seed),
         "--num-warmups", str(a.num_warmups),
         "--percentile-metrics", PERCENTILE_METRICS,
         "--metric-percentiles", METRIC_PERCENTILES,
@@ -275,6 +283,30 @@ def _run(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, float, 
     return rc, wall, tail
 
 
+def _run_in_process(cmd: list[str], log: Path) -> tuple[int, float, str]:
+    """One run through `vllm.benchmarks.serve.main` in this process, its output to `log`."""
+    import contextlib
+    import traceback
+
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+
+    i = cmd.index("serve")  # [python, -m, vllm.entrypoints.cli.main, bench, serve, flags...]
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    t0 = time.monotonic()
+    rc = 0
+    with open(log, "w") as fh, contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+        try:
+            bench_main(parser.parse_args(cmd[i + 1 :]))
+        except (_Interrupted, KeyboardInterrupt):
+            raise
+        except BaseException:  # noqa: BLE001 - a failed run is a record, not the end
+            traceback.print_exc()
+            rc = 1
+    return rc, time.monotonic() - t0, log.read_text(errors="replace")[-3000:]
+
+
 def _record(res: dict) -> dict:
     rec = {k: res.get(k) for k in _COPY}
     for m in PERCENTILE_METRICS.split(","):
@@ -284,9 +316,11 @@ def _record(res: dict) -> dict:
 
 
 def _append(doc: dict, rec: dict) -> None:
-    """Add rec, replacing an earlier (not ok) record of the same point (--resume)."""
-    key = (rec["shape"], rec["concurrency"])
-    doc["runs"] = [r for r in doc["runs"] if (r.get("shape"), r.get("concurrency")) != key]
+    """Add rec, replacing an earlier (not ok) record of the same point and repeat (--resume)."""
+    key = (rec["shape"], rec["concurrency"], rec.get("repeat", 0))
+    doc["runs"] = [
+        r for r in doc["runs"] if (r.get("shape"), r.get("concurrency"), r.get("repeat", 0)) != key
+    ]
     doc["runs"].append(rec)
 
 
@@ -332,6 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-max-tokens", type=int, default=4)
     ap.add_argument("--warmup-timeout", type=float, default=300.0)
     ap.add_argument("--log-dir", default=None, help="CLI logs (default: a temp dir)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per point (default 1)")
+    ap.add_argument(
+        "--seed-per-run",
+        action="store_true",
+        help="dataset seed = --seed + the run's index (no prompt repeats across runs)",
+    )
+    ap.add_argument("--in-process", action="store_true", help="no subprocess per run")
     ap.add_argument("--python", default=sys.executable, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     try:
@@ -339,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         concs = parse_ints(a.concurrency, "--concurrency")
         if a.num_prompts is not None and a.num_prompts < 1:
             raise ValueError(f"--num-prompts {a.num_prompts}: must be >= 1")
+        if a.repeats < 1:
+            raise ValueError(f"--repeats {a.repeats}: must be >= 1")
         if a.prompts_per_concurrency < 1:
             raise ValueError(f"--prompts-per-concurrency {a.prompts_per_concurrency}: >= 1")
     except ValueError as e:
@@ -416,103 +459,113 @@ def _loop(
     """All runs in order; shapes are (requested in, out, effective in, out); -> exit status."""
     prev_wall: float | None = None
     n_bad = 0
-    total = len(shapes) * len(concs)
-    done = {(r["shape"], r["concurrency"]) for r in doc["runs"] if r.get("status") == "ok"}
+    total = len(shapes) * len(concs) * a.repeats
+    done = {
+        (r["shape"], r["concurrency"], r.get("repeat", 0))
+        for r in doc["runs"]
+        if r.get("status") == "ok"
+    }
     warmed = {w["shape"] for w in doc["header"].get("warmups", []) if not w.get("errors")}
     with tempfile.TemporaryDirectory(prefix="serve_bench_") as rdir:
-        for si, (req_in, req_out, inp, outl) in enumerate(shapes):
-            for ci, conc in enumerate(concs):
-                i = si * len(concs) + ci + 1
-                n = a.num_prompts or a.prompts_per_concurrency * conc
-                tag = f"{a.label}_{inp}x{outl}_c{conc}"
-                if (f"{inp}x{outl}", conc) in done:
-                    print(
-                        f"[{i}/{total}] {tag}: ok in an earlier invocation (--resume)", flush=True
-                    )
-                    continue
-                rec = {
-                    "label": a.label,
-                    "requested_shape": f"{req_in}x{req_out}",
-                    "shape": f"{inp}x{outl}",
-                    "input_len": inp,
-                    "output_len": outl,
-                    "concurrency": conc,
-                    "num_prompts": n,
-                }
-                remaining = None
-                if a.time_budget is not None:
-                    remaining = a.time_budget - (time.monotonic() - t_start)
-                if should_skip(remaining, prev_wall, a.min_run_s):
-                    rec["status"] = "skipped"
-                    rec["error"] = (
-                        f"time budget: {remaining:.0f} s left < previous run {prev_wall or 0:.0f}"
-                        f" s or --min-run-s {a.min_run_s:.0f} s"
-                    )
-                    _append(doc, rec)
-                    _write(out, doc)
-                    print(f"[{i}/{total}] {tag}: skipped ({rec['error']})", flush=True)
-                    continue
-                if a.warmup_requests > 0 and f"{inp}x{outl}" not in warmed:
-                    wt = a.warmup_timeout if remaining is None else min(a.warmup_timeout, remaining)
-                    w = warmup(a.base_url, a.served_model_name or a.model, inp, a.warmup_requests,
-                               a.warmup_max_tokens, a.seed + 1, wt)  # fmt: skip
-                    w["shape"] = f"{inp}x{outl}"
-                    doc["header"].setdefault("warmups", []).append(w)
-                    warmed.add(w["shape"])
-                    _write(out, doc)
-                    print(f"[{i}/{total}] warm-up {w['shape']}: {w['n']} requests, "
-                          f"{w['wall_s']:.0f} s, errors {w['errors']}", flush=True)  # fmt: skip
-                    if a.time_budget is not None:
-                        remaining = a.time_budget - (time.monotonic() - t_start)
-                        if should_skip(remaining, prev_wall, a.min_run_s):
-                            rec["status"] = "skipped"
-                            rec["error"] = f"time budget: {remaining:.0f} s left after the warm-up"
-                            _append(doc, rec)
-                            _write(out, doc)
-                            print(f"[{i}/{total}] {tag}: skipped ({rec['error']})", flush=True)
-                            continue
-                rfile = f"{tag}.json"
-                cmd = bench_command(a, inp, outl, conc, n, rdir, rfile)
-                timeout = a.run_timeout if remaining is None else min(a.run_timeout, remaining)
-                rec["command"] = shlex.join(cmd)
-                try:
-                    rc, wall, tail = _run(cmd, timeout, log_dir / f"{tag}.log")
-                except (_Interrupted, KeyboardInterrupt) as e:
-                    rec["status"] = "interrupted"
-                    why = str(e) or "SIGINT"
-                    rec["error"] = f"serve_bench stopped by {why}; the CLI was killed"
-                    _append(doc, rec)
-                    _write(out, doc)
-                    print(f"[{i}/{total}] {tag}: interrupted; wrote {out}", flush=True)
-                    return 143 if isinstance(e, _Interrupted) else 130
-                prev_wall = wall
-                rec["wall_s"] = round(wall, 2)
-                rpath = Path(rdir) / rfile
-                if rpath.exists():
-                    rec.update(_record(json.loads(rpath.read_text())))
-                    rpath.unlink()
-                if rc is None:
-                    rec["status"] = "timeout"
-                elif rc == 0 and rec.get("completed") == n:
-                    rec["status"] = "ok"
-                else:
-                    rec["status"] = "failed"
-                if rec["status"] != "ok":
-                    n_bad += 1
-                    rec["rc"] = rc
-                    rec["error"] = tail
+        points = [(s, c) for s in shapes for c in concs]
+        for i, (rep, ((req_in, req_out, inp, outl), conc)) in enumerate(
+            ((rep, p) for rep in range(a.repeats) for p in points), start=1
+        ):
+            n = a.num_prompts or a.prompts_per_concurrency * conc
+            tag = f"{a.label}_{inp}x{outl}_c{conc}" + (f"_r{rep}" if a.repeats > 1 else "")
+            if (f"{inp}x{outl}", conc, rep) in done:
+                print(f"[{i}/{total}] {tag}: ok in an earlier invocation (--resume)", flush=True)
+                continue
+            rec = {
+                "label": a.label,
+                "requested_shape": f"{req_in}x{req_out}",
+                "shape": f"{inp}x{outl}",
+                "input_len": inp,
+                "output_len": outl,
+                "concurrency": conc,
+                "num_prompts": n,
+                "repeat": rep,
+            }
+            remaining = None
+            if a.time_budget is not None:
+                remaining = a.time_budget - (time.monotonic() - t_start)
+            if should_skip(remaining, prev_wall, a.min_run_s):
+                rec["status"] = "skipped"
+                rec["error"] = (
+                    f"time budget: {remaining:.0f} s left < previous run {prev_wall or 0:.0f}"
+                    f" s or --min-run-s {a.min_run_s:.0f} s"
+                )
                 _append(doc, rec)
                 _write(out, doc)
-                if rec["status"] == "ok":
-                    msg = (
-                        f"out {rec['output_throughput']:.1f} tok/s, "
-                        f"TTFT p50 {rec['median_ttft_ms']:.1f} ms, "
-                        f"TPOT p50 {rec['median_tpot_ms']:.2f} ms"
-                    )
+                print(f"[{i}/{total}] {tag}: skipped ({rec['error']})", flush=True)
+                continue
+            if a.warmup_requests > 0 and f"{inp}x{outl}" not in warmed:
+                wt = a.warmup_timeout if remaining is None else min(a.warmup_timeout, remaining)
+                w = warmup(a.base_url, a.served_model_name or a.model, inp, a.warmup_requests,
+                           a.warmup_max_tokens, a.seed + 1, wt)  # fmt: skip
+                w["shape"] = f"{inp}x{outl}"
+                doc["header"].setdefault("warmups", []).append(w)
+                warmed.add(w["shape"])
+                _write(out, doc)
+                print(f"[{i}/{total}] warm-up {w['shape']}: {w['n']} requests, "
+                      f"{w['wall_s']:.0f} s, errors {w['errors']}", flush=True)  # fmt: skip
+                if a.time_budget is not None:
+                    remaining = a.time_budget - (time.monotonic() - t_start)
+                    if should_skip(remaining, prev_wall, a.min_run_s):
+                        rec["status"] = "skipped"
+                        rec["error"] = f"time budget: {remaining:.0f} s left after the warm-up"
+                        _append(doc, rec)
+                        _write(out, doc)
+                        print(f"[{i}/{total}] {tag}: skipped ({rec['error']})", flush=True)
+                        continue
+            rfile = f"{tag}.json"
+            # One dataset seed per run: a prompt repeated from an earlier run would hit the
+            # server's prefix cache.
+            rec["seed"] = a.seed + (i - 1 if a.seed_per_run else 0)
+            cmd = bench_command(a, inp, outl, conc, n, rdir, rfile, rec["seed"])
+            timeout = a.run_timeout if remaining is None else min(a.run_timeout, remaining)
+            rec["command"] = shlex.join(cmd)
+            try:
+                if a.in_process:
+                    rc, wall, tail = _run_in_process(cmd, log_dir / f"{tag}.log")
                 else:
-                    msg = f"rc {rc}, completed {rec.get('completed')}/{n}"
-                print(f"[{i}/{total}] {tag} n={n}: {rec['status']} ({wall:.0f} s): {msg}",
-                      flush=True)  # fmt: skip
+                    rc, wall, tail = _run(cmd, timeout, log_dir / f"{tag}.log")
+            except (_Interrupted, KeyboardInterrupt) as e:
+                rec["status"] = "interrupted"
+                why = str(e) or "SIGINT"
+                rec["error"] = f"serve_bench stopped by {why}; the CLI was killed"
+                _append(doc, rec)
+                _write(out, doc)
+                print(f"[{i}/{total}] {tag}: interrupted; wrote {out}", flush=True)
+                return 143 if isinstance(e, _Interrupted) else 130
+            prev_wall = wall
+            rec["wall_s"] = round(wall, 2)
+            rpath = Path(rdir) / rfile
+            if rpath.exists():
+                rec.update(_record(json.loads(rpath.read_text())))
+                rpath.unlink()
+            if rc is None:
+                rec["status"] = "timeout"
+            elif rc == 0 and rec.get("completed") == n:
+                rec["status"] = "ok"
+            else:
+                rec["status"] = "failed"
+            if rec["status"] != "ok":
+                n_bad += 1
+                rec["rc"] = rc
+                rec["error"] = tail
+            _append(doc, rec)
+            _write(out, doc)
+            if rec["status"] == "ok":
+                msg = (
+                    f"out {rec['output_throughput']:.1f} tok/s, "
+                    f"TTFT p50 {rec['median_ttft_ms']:.1f} ms, "
+                    f"TPOT p50 {rec['median_tpot_ms']:.2f} ms"
+                )
+            else:
+                msg = f"rc {rc}, completed {rec.get('completed')}/{n}"
+            print(f"[{i}/{total}] {tag} n={n}: {rec['status']} ({wall:.0f} s): {msg}",
+                  flush=True)  # fmt: skip
     print(f"serve_bench: wrote {out} ({len(doc['runs'])} records, {n_bad} not ok)")
     return 1 if n_bad else 0
 

@@ -88,14 +88,20 @@ for name in ("torch", "cutlass", "vllm", "transformers"):
 # per-server directory (idle until POST /start_profile; bench/profile_server.py). Each server
 # runs in its own process group (setsid), so it outlives the driver that started it; its pid is
 # kept in $RUN_DIR/serve_flash_NAME.pid and its log appended to $RUN_DIR/serve_flash_NAME.log.
+# FLASH_LAYERS sets the checkpoints' depth (default: the preset's 2 layers, checkpoints flash-*;
+# otherwise flashN-*); MAX_NUM_SEQS and GPU_MEM_UTIL the servers' batch and memory share.
+FLASH_LAYERS=${FLASH_LAYERS:-}
+FLASH_TAG=flash$FLASH_LAYERS
+MAX_NUM_SEQS=${MAX_NUM_SEQS:-64}
+GPU_MEM_UTIL=${GPU_MEM_UTIL:-0.3}
 CAPTURE_SIZES=${CAPTURE_SIZES:-1 2 4 8 16 32 64}
 # shellcheck disable=SC2206
-FLASH_ARGS=(--served-model-name flash --max-model-len 10240 --max-num-seqs 64
-    --kv-cache-memory-bytes 16000000000 --gpu-memory-utilization 0.3
+FLASH_ARGS=(--served-model-name flash --max-model-len 10240 --max-num-seqs "$MAX_NUM_SEQS"
+    --kv-cache-memory-bytes 16000000000 --gpu-memory-utilization "$GPU_MEM_UTIL"
     --cudagraph-capture-sizes $CAPTURE_SIZES --enable-prompt-tokens-details)
 flash_port() { case $1 in ours) echo 8001 ;; upstream) echo 8002 ;; esac; }
 flash_prof_dir() { echo "$RUN_DIR/prof_flash_$1"; }
-flash_ckpt() { case $1 in ours) echo "$CKPT_DIR/flash-nvfp4" ;; upstream) echo "$CKPT_DIR/flash-native" ;; esac; }
+flash_ckpt() { case $1 in ours) echo "$CKPT_DIR/$FLASH_TAG-nvfp4" ;; upstream) echo "$CKPT_DIR/$FLASH_TAG-native" ;; esac; }
 healthy() { curl -sf -m 5 "http://127.0.0.1:$1/health" >/dev/null; }
 start_flash() {  # start_flash ours|upstream (no-op when it is healthy or still starting)
     local port prof
@@ -149,9 +155,10 @@ stop_flash() {  # stop_flash NAME...: SIGTERM each server's process group, SIGKI
 gen_flash() {  # gen_flash TIMEOUT: the flash-layers checkpoints (nvfp4 for ours, native for upstream), once
     local f rc=0
     for f in nvfp4 native; do
-        [ -f "$CKPT_DIR/flash-$f/config.json" ] && continue
-        step "gen_flash_$f" "$1" "$PYTHON" -m cutedsl.tools.tiny_model "$CKPT_DIR/flash-$f" \
-            --preset flash-layers --format "$f" --device cuda --force || rc=1
+        [ -f "$CKPT_DIR/$FLASH_TAG-$f/config.json" ] && continue
+        step "gen_flash_$f" "$1" "$PYTHON" -m cutedsl.tools.tiny_model "$CKPT_DIR/$FLASH_TAG-$f" \
+            --preset flash-layers ${FLASH_LAYERS:+--layers "$FLASH_LAYERS"} --format "$f" \
+            --device cuda --force || rc=1
     done
     return $rc
 }

@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# Serving at depth: ours vs upstream vLLM 0.21.0 on the flash-layers checkpoint at FLASH_LAYERS
+# layers (default 8: real DSv4-Flash layer sizes, deep enough that a decode step is GPU-bound).
+#
+#   bash scripts/gpu/serving.sh        # call again until it prints "serving: done"
+#
+# Each call does what is not done yet, within BUDGET wall seconds (default 570), in this order:
+#   1. generate both checkpoints (ours: full NVFP4; upstream: the native FP8 + MXFP4 checkpoint of
+#      the same seed), in the background, while the mHC TileLang kernels are compiled into their
+#      disk cache (cutedsl/tools/prewarm_mhc.py); refuses to start without the disk space;
+#   2. start both servers (env.sh start_flash: ports 8001/8002, identical flags, CUDA graphs for
+#      CAPTURE_SIZES, GPU_MEM_UTIL each) and wait until both are healthy;
+#   3. `vllm bench serve` (bench/serve_bench.py --in-process, one dataset seed per run) on every
+#      SHAPES x CONCS point, ours then upstream, one server busy at a time; repeat 0 first;
+#   4. per concurrency in PROFILE_CONCS, the decode profile of both servers
+#      (bench/profile_server.py, 1024-token prompts);
+#   5. the further repeats (REPEATS, default 2);
+#   6. the copy bandwidth, then bench/serving.py report: serving.json/.md/.png; servers stopped.
+# Servers and generators run in their own process groups and outlive a call; state accumulates in
+# $STATE. Every call copies the results into $OUT (serving.*, serve_*.json, profile_*.json/.md,
+# ckpt_bytes_*.txt, the server logs) and appends one line per step to $OUT/summary.txt.
+set -u
+export FLASH_LAYERS=${FLASH_LAYERS:-8} MAX_NUM_SEQS=${MAX_NUM_SEQS:-128}
+export GPU_MEM_UTIL=${GPU_MEM_UTIL:-0.45} CAPTURE_SIZES=${CAPTURE_SIZES:-1 2 4 8 16 32 64 128}
+. "$(dirname "$0")/env.sh"
+BUDGET=${BUDGET:-570}
+STATE=${STATE:-$RUN_DIR/serving_state}
+SHAPES=${SHAPES:-1024x1024 8192x1024}
+CONCS=${CONCS:-1 4 16 64 128}
+REPEATS=${REPEATS:-2}
+PROFILE_CONCS=${PROFILE_CONCS:-1 4 16 64 128}
+GB_PER_LAYER=${GB_PER_LAYER:-7.5}  # both checkpoints together, per layer (3.6 + 3.4 GB, rounded up)
+mkdir -p "$STATE"
+left() { echo $((BUDGET - SECONDS)); }
+note() { echo "$(date -u +%T) [${SECONDS}s] $*" | tee -a "$OUT/summary.txt"; }
+label_of() { case $1 in ours) echo cutedsl-nvfp4 ;; upstream) echo upstream-native ;; esac; }
+
+finish() {
+    cp "$STATE"/serving.* "$STATE"/serve_*.json "$STATE"/profile_*.json "$STATE"/profile_*.md \
+        "$STATE"/ckpt_bytes_*.txt "$STATE"/copy.json "$STATE"/gen_*.log "$R"/ 2>/dev/null
+    cp "$RUN_DIR"/serve_flash_*.log "$R"/ 2>/dev/null
+    df -h "$CKPT_DIR" >"$R/df.txt" 2>&1
+}
+
+# --- 1. checkpoints and the mHC kernels, in the background ---
+gen_done() { [ -f "$(flash_ckpt ours)/config.json" ] && [ -f "$(flash_ckpt upstream)/config.json" ]; }
+running() { local pid; pid=$(cat "$1" 2>/dev/null) && kill -0 "$pid" 2>/dev/null; }
+start_gen() {
+    local f need free
+    need=$(awk -v l="$FLASH_LAYERS" -v g="$GB_PER_LAYER" 'BEGIN { printf "%d", l * g + 4 }')
+    free=$(df -BG --output=avail "$CKPT_DIR" | tail -1 | tr -dc 0-9)
+    if [ "$free" -lt "$need" ]; then
+        note "not enough disk for $FLASH_LAYERS layers: $free GB free in $CKPT_DIR, need $need GB"
+        return 1
+    fi
+    for f in nvfp4 native; do
+        [ -f "$CKPT_DIR/$FLASH_TAG-$f/config.json" ] && continue
+        running "$STATE/gen_$f.pid" && continue
+        setsid "$PYTHON" -m cutedsl.tools.tiny_model "$CKPT_DIR/$FLASH_TAG-$f" --preset flash-layers \
+            --layers "$FLASH_LAYERS" --format "$f" --device cuda --force \
+            >"$STATE/gen_$f.log" 2>&1 </dev/null &
+        echo $! >"$STATE/gen_$f.pid"
+        note "generating $FLASH_TAG-$f (pid $!)"
+    done
+    if [ ! -f "$STATE/prewarm.ok" ] && ! running "$STATE/prewarm.pid"; then
+        mkdir -p "$STATE/cfg"  # the mHC kernels need only the config
+        "$PYTHON" -c 'import json, sys; from cutedsl.tools.tiny_model import make_config
+json.dump(make_config("flash-layers", "nvfp4", None, int(sys.argv[2])), open(sys.argv[1], "w"))' \
+            "$STATE/cfg/config.json" "$FLASH_LAYERS" || return 1
+        setsid bash -c "'$PYTHON' -m cutedsl.tools.prewarm_mhc '$STATE/cfg' && touch '$STATE/prewarm.ok'" \
+            >"$STATE/prewarm.log" 2>&1 </dev/null &
+        echo $! >"$STATE/prewarm.pid"
+    fi
+}
+
+# --- 3./5. one bench pass of one server ---
+bench_pass() {  # bench_pass ours|upstream REPEATS: every point up to that many repeats
+    local n=$1 reps=$2 label port t
+    label=$(label_of "$n") port=$(flash_port "$n")
+    healthy "$port" || { note "bench $label: server not healthy"; return 1; }
+    t=$(( $(left) - 30 ))
+    [ "$t" -gt 60 ] || { note "bench $label x$reps: not started ($t s left)"; return 1; }
+    # shellcheck disable=SC2086
+    step "bench_${label}_r$reps" $((t + 20)) "$PYTHON" "$REPO/bench/serve_bench.py" \
+        --base-url "http://127.0.0.1:$port" --model flash --tokenizer "$(flash_ckpt ours)" \
+        --label "$label" --shapes "$(echo $SHAPES | tr ' ' ,)" --concurrency "$(echo $CONCS | tr ' ' ,)" \
+        --prompts-per-concurrency 1 --repeats "$reps" --seed-per-run --in-process \
+        --num-warmups 0 --warmup-requests 8 --time-budget "$t" --min-run-s 40 --resume \
+        --log-dir "$STATE/logs_$label" --out "$STATE/serve_$n.json"
+    tail -n 3 "$R/bench_${label}_r$reps.log" | tee -a "$OUT/summary.txt"
+}
+bench_done() {  # bench_done ours|upstream REPEATS: every point has that many ok repeats
+    "$PYTHON" - "$STATE/serve_$1.json" "$2" "$SHAPES" "$CONCS" <<'PY'
+import json, sys
+try:
+    runs = json.load(open(sys.argv[1]))["runs"]
+except (OSError, ValueError, KeyError):
+    sys.exit(1)
+ok = {(r["requested_shape"], r["concurrency"], r.get("repeat", 0)) for r in runs if r.get("status") == "ok"}
+need = {(s, int(c), k) for s in sys.argv[3].split() for c in sys.argv[4].split() for k in range(int(sys.argv[2]))}
+sys.exit(0 if need <= ok else 1)
+PY
+}
+
+profile() {  # profile ours|upstream C
+    local n=$1 c=$2 label port t
+    label=$(label_of "$n") port=$(flash_port "$n")
+    [ -f "$STATE/profile_${n}_c$c.json" ] && return 0
+    t=$(( $(left) - 20 ))
+    [ $t -gt 120 ] && t=120
+    [ $t -ge 50 ] || { note "profile $label c$c: not run ($t s left)"; return 1; }
+    step "profile_${label}_c$c" "$t" "$PYTHON" "$REPO/bench/profile_server.py" run \
+        --base-url "http://127.0.0.1:$port" --model flash --trace-dir "$(flash_prof_dir "$n")" \
+        --label "$label" --concurrency "$c" --prompt-len 1024 --max-tokens 4096 \
+        --profile-s 2 --trace-timeout $((t - 25)) \
+        --out "$STATE/profile_${n}_c$c.json" --md "$STATE/profile_${n}_c$c.md"
+    rm -f "$(flash_prof_dir "$n")"/*  # the raw traces are large; the JSON keeps the numbers
+}
+
+device_info
+make_ours >"$R/make_ours.log" 2>&1 || { cat "$R/make_ours.log"; finish; exit 1; }
+
+if ! gen_done; then
+    start_gen || { finish; exit 1; }
+    while ! gen_done && [ "$(left)" -gt 20 ]; do
+        for f in nvfp4 native; do
+            if ! running "$STATE/gen_$f.pid" && [ ! -f "$CKPT_DIR/$FLASH_TAG-$f/config.json" ]; then
+                note "generating $FLASH_TAG-$f failed:"; tail -n 5 "$STATE/gen_$f.log"; finish; exit 1
+            fi
+        done
+        sleep 5
+    done
+    gen_done || { note "checkpoints still generating: call again"; finish; exit 1; }
+    note "checkpoints ready: $(du -sh "$(flash_ckpt ours)" "$(flash_ckpt upstream)" | tr '\n' ' ')"
+fi
+for n in ours upstream; do
+    [ -f "$STATE/ckpt_bytes_$n.txt" ] || "$PYTHON" "$REPO/bench/serving.py" bytes "$(flash_ckpt "$n")" \
+        >"$STATE/ckpt_bytes_$n.txt" 2>&1
+done
+while running "$STATE/prewarm.pid" && [ "$(left)" -gt 60 ]; do sleep 3; done
+[ -f "$STATE/prewarm.ok" ] || note "mHC prewarm did not finish (see prewarm.log); servers compile them"
+cp "$STATE/prewarm.log" "$R/" 2>/dev/null
+
+for n in ours upstream; do start_flash "$n"; done
+for n in ours upstream; do
+    wait_flash "$n" $(( $(left) - 40 )) || { note "$n not healthy yet: call again"; finish; exit 1; }
+done
+note "both servers healthy"
+
+for n in ours upstream; do bench_done "$n" 1 || bench_pass "$n" 1; done
+for c in $PROFILE_CONCS; do
+    for n in ours upstream; do profile "$n" "$c"; done
+done
+for n in ours upstream; do bench_done "$n" "$REPEATS" || bench_pass "$n" "$REPEATS"; done
+
+if bench_done ours "$REPEATS" && bench_done upstream "$REPEATS"; then
+    [ -f "$STATE/copy.json" ] || step copy_bw 60 "$PYTHON" "$REPO/bench/serving.py" copy-bw --out "$STATE/copy.json"
+    profs=()
+    for f in "$STATE"/profile_*_c*.json; do
+        [ -f "$f" ] || continue
+        b=$(basename "$f" .json); b=${b#profile_}
+        profs+=(--profile "${b%_c*}:${b##*_c}=$f")
+    done
+    step report 120 "$PYTHON" "$REPO/bench/serving.py" report \
+        --ckpt "ours=$(flash_ckpt ours)" --ckpt "upstream=$(flash_ckpt upstream)" \
+        --serve "ours=$STATE/serve_ours.json" --serve "upstream=$STATE/serve_upstream.json" \
+        "${profs[@]}" --copy "$STATE/copy.json" --command "bash scripts/gpu/serving.sh" \
+        --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+        --versions "$(tail -n 4 "$R/device.txt" | tr '\n' ' ')" \
+        --json "$STATE/serving.json" --md "$STATE/serving.md" --png "$STATE/serving.png"
+    if [ "${STOP_SERVERS:-1}" = 1 ]; then stop_flash ours upstream; note "servers stopped"; fi
+    note "serving: done"
+else
+    note "serving: not done yet: call again"
+fi
+finish
