@@ -16,6 +16,7 @@
 #      (bench/profile_server.py, 1024-token prompts);
 #   5. the further repeats (REPEATS, default 2);
 #   6. the copy bandwidth, then bench/serving.py report: serving.json/.md/.png; servers stopped.
+# COMMIT names the code's commit in the results where the checkout has no git metadata.
 # Servers and generators run in their own process groups and outlive a call; state accumulates in
 # $STATE. Every call copies the results into $OUT (serving.*, serve_*.json, profile_*.json/.md,
 # ckpt_bytes_*.txt, the server logs) and appends one line per step to $OUT/summary.txt.
@@ -165,6 +166,7 @@ if bench_done ours "$REPEATS" && bench_done upstream "$REPEATS"; then
         --ckpt "ours=$(flash_ckpt ours)" --ckpt "upstream=$(flash_ckpt upstream)" \
         --serve "ours=$STATE/serve_ours.json" --serve "upstream=$STATE/serve_upstream.json" \
         "${profs[@]}" --copy "$STATE/copy.json" --command "bash scripts/gpu/serving.sh" \
+        --commit "${COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo 'not recorded')}" \
         --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
         --versions "$(tail -n 4 "$R/device.txt" | tr '\n' ' ')" \
         --json "$STATE/serving.json" --md "$STATE/serving.md" --png "$STATE/serving.png"
