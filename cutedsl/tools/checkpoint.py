@@ -40,8 +40,10 @@ __all__ = [
     "dequantize_mxfp4",
     "encode_nvfp4",
     "encode_linear",
+    "nvfp4_to_ct",
     "Checkpoint",
     "read_linear",
+    "has_mtp_block",
     "validate_layout",
     "foreign_entries",
     "check_output",
@@ -69,11 +71,14 @@ def _exp_from_e8m0(s: torch.Tensor) -> torch.Tensor:
     return s.view(torch.uint8).to(torch.int32) - 127
 
 
-def quantize_fp8_block(w: torch.Tensor, e8m0: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_block(
+    w: torch.Tensor, e8m0: bool = True, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (e4m3 [N, K], scale [ceil(N/128), ceil(K/128)]), DeepSeek's FP8 block layout.
 
     e8m0=True: power-of-two scales 2^ceil(log2(amax/448)) stored as float8_e8m0fnu (V4-Flash);
-    False: f32 scales amax/448 (V4-Flash-Base). Dequant: e4m3 * scale per 128x128 block.
+    False: scales amax/448 stored as `scale_dtype` (f32: V4-Flash-Base; bf16: llm-compressor's
+    FP8_BLOCK), the codes computed from the stored value. Dequant: e4m3 * scale per block.
     """
     n, k = w.shape
     nb, kb = math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK)
@@ -88,7 +93,8 @@ def quantize_fp8_block(w: torch.Tensor, e8m0: bool = True) -> tuple[torch.Tensor
         stored = _e8m0_from_exp(exp)
     else:
         scale = torch.where(amax > 0, amax / F.E4M3_MAX, torch.ones_like(amax))
-        stored = scale
+        stored = scale.to(scale_dtype)
+        scale = stored.float()
     q = (blocks / scale[:, None, :, None]).clamp(-F.E4M3_MAX, F.E4M3_MAX)
     q = q.view(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].to(torch.float8_e4m3fn)
     return q.contiguous(), stored.contiguous()
@@ -182,7 +188,27 @@ def encode_linear(
         return {f"{name}.weight": q, f"{name}.scale": s}
     if storage == "nvfp4":
         return encode_nvfp4(name, w, group_amax=group_amax, input_amax=input_amax)
+    if storage == "ct_nvfp4":
+        return nvfp4_to_ct(
+            name, encode_nvfp4(name, w, group_amax=group_amax, input_amax=input_amax)
+        )
+    if storage == "ct_fp8":
+        q, s = quantize_fp8_block(w, e8m0=False, scale_dtype=torch.bfloat16)
+        return {f"{name}.weight": q, f"{name}.weight_scale": s}
     raise ValueError(f"{name}: unknown storage {storage!r}")
+
+
+def nvfp4_to_ct(name: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ModelOpt NVFP4 tensors of linear `name` -> compressed-tensors `nvfp4-pack-quantized` ones:
+    weight -> weight_packed, weight_scale kept, weight_global_scale = 1 / weight_scale_2,
+    input_global_scale = 1 / input_scale (compressed-tensors stores the global scales as
+    divisors: vLLM's CompressedTensorsW4A4Fp4 takes their reciprocals)."""
+    return {
+        f"{name}.weight_packed": t[f"{name}.weight"],
+        f"{name}.weight_scale": t[f"{name}.weight_scale"],
+        f"{name}.weight_global_scale": (1.0 / t[f"{name}.weight_scale_2"].double()).float(),
+        f"{name}.input_global_scale": (1.0 / t[f"{name}.input_scale"].double()).float(),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,13 +352,37 @@ class Checkpoint:
         return sorted(set(self.files.values()))
 
 
+def _fp8_scale_dtype(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype in (torch.float8_e8m0fnu, torch.float32) else t.float()
+
+
 def read_linear(ck: Checkpoint, name: str) -> torch.Tensor:
     """Dequantize linear `name` (in ck's scheme, without leaf) of any known storage -> fp32 [N, K].
 
-    Storage is detected from the tensors present: `.weight_scale_2` -> NVFP4; e4m3 `.weight` +
-    `.scale`/`.weight_scale_inv` -> FP8 block; uint8 `.weight` + e8m0 `.scale` -> MXFP4;
-    a floating `.weight` alone -> plain.
+    Storage is detected from the tensors present: `.weight_scale_2` -> NVFP4; `.weight_packed` +
+    `.weight_global_scale` -> compressed-tensors NVFP4 (w = e2m1 * weight_scale /
+    weight_global_scale); e4m3 `.weight` + `.scale` / `.weight_scale_inv` / `.weight_scale`
+    (block shaped) -> FP8 block; uint8 `.weight` + e8m0 `.scale` -> MXFP4; a floating `.weight`
+    alone -> plain.
     """
+    if ck.has(f"{name}.weight_packed"):
+        if not ck.has(f"{name}.weight_global_scale"):
+            raise CheckpointError(
+                f"tensor {name}.weight_packed: no {name}.weight_global_scale beside it "
+                f"({os.path.join(ck.path, ck.files[name + '.weight_packed'])})"
+            )
+        gs = ck.get(f"{name}.weight_global_scale").float().reshape(-1)
+        if gs.numel() != 1 or not bool(gs[0] > 0):
+            raise CheckpointError(
+                f"tensor {name}.weight_global_scale: expected one positive value, got "
+                f"{gs.tolist()[:4]} ({os.path.join(ck.path, ck.files[name + '.weight_global_scale'])})"
+            )
+        return F.dequantize_nvfp4(
+            ck.get(f"{name}.weight_packed"),
+            ck.get(f"{name}.weight_scale"),
+            (1.0 / gs[0].double()).float(),
+            dtype=torch.float32,
+        )
     w = ck.get(f"{name}.weight")
     if ck.has(f"{name}.weight_scale_2"):
         return F.dequantize_nvfp4(
@@ -342,10 +392,15 @@ def read_linear(ck: Checkpoint, name: str) -> torch.Tensor:
             dtype=torch.float32,
         )
     scale_name = next(
-        (f"{name}.{s}" for s in ("scale", "weight_scale_inv") if ck.has(f"{name}.{s}")), None
+        (
+            f"{name}.{s}"
+            for s in ("scale", "weight_scale_inv", "weight_scale")
+            if ck.has(f"{name}.{s}")
+        ),
+        None,
     )
     if w.dtype == torch.float8_e4m3fn and scale_name:
-        return dequantize_fp8_block(w, ck.get(scale_name))
+        return dequantize_fp8_block(w, _fp8_scale_dtype(ck.get(scale_name)))
     if w.dtype == torch.uint8 and scale_name:
         return dequantize_mxfp4(w, ck.get(scale_name))
     if w.dtype in (torch.bfloat16, torch.float16, torch.float32) and scale_name is None:
@@ -355,10 +410,20 @@ def read_linear(ck: Checkpoint, name: str) -> torch.Tensor:
     )
 
 
+def has_mtp_block(ck: Checkpoint) -> bool:
+    """Whether the checkpoint holds any `mtp.*` tensor (published checkpoints may declare
+    `num_nextn_predict_layers` and ship without the block)."""
+    return any(n.startswith("mtp.") for n in ck.names())
+
+
 def validate_layout(ck: Checkpoint, fmt: str) -> list[str]:
-    """Check ck's tensors against the layout its config implies in `fmt`; return the extra
-    `mtp.*` names (kept as they are). Raises CheckpointError naming the first offending tensor."""
+    """Check ck's tensors against the layout its config implies in `fmt`: the main model, and
+    the `mtp.*` blocks of `num_nextn_predict_layers` when the checkpoint has any `mtp.*` tensor.
+    Returns the `mtp.*` names the config does not describe (kept as they are). Raises
+    CheckpointError naming the first offending tensor."""
     exp = expected_tensors(ck.config, fmt, ck.scheme)
+    if not has_mtp_block(ck):
+        exp = {n: v for n, v in exp.items() if not n.startswith("mtp.")}
     extra = [n for n in ck.names() if n not in exp]
     mtp = [n for n in extra if n.startswith(("mtp.", "model.mtp."))]
     unknown = sorted(set(extra) - set(mtp))

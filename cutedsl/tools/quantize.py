@@ -3,15 +3,20 @@
     dsv4-quantize SRC DST [--names native|hf] [--input-amax A] [--force]
     (or python -m cutedsl.tools.quantize ...)
 
-SRC: a DSv4 checkpoint in one of the layouts `cutedsl.tools.tiny_model` knows (and DeepSeek or
-NVIDIA ship): native (FP8 block + e8m0 scales, MXFP4 experts), native-fp8 (FP8 block + f32
-scales everywhere, `expert_dtype: fp8`), nvidia-mixed (NVFP4 experts, FP8 rest) or bf16; native
-or HF tensor names. DST: the same model with every quantizable projection (fused_wqa_wkv pair,
+SRC: a DSv4 checkpoint in one of the layouts `cutedsl.tools.tiny_model` knows (and DeepSeek,
+NVIDIA and Red Hat ship): native (FP8 block + e8m0 scales, MXFP4 experts), native-fp8 (FP8 block
++ f32 scales everywhere, `expert_dtype: fp8`), nvidia-mixed (ModelOpt NVFP4 experts, FP8 rest),
+ct-nvfp4-fp8 (compressed-tensors NVFP4 experts, FP8 block attention, BF16 rest) or bf16; native or
+HF tensor names; with or without its `mtp.*` block. DST: the same model with every quantizable projection (fused_wqa_wkv pair,
 wq_b, wo_a, wo_b, indexer.wq_b, shared expert, routed experts) in ModelOpt NVFP4
 (`.weight` uint8 [N, K/2], `.weight_scale` e4m3 [N, K/16], `.weight_scale_2` f32 [],
 `.input_scale` f32 []), fused pairs (wq_a+wkv, w1+w3) sharing one global scale, everything else
 copied bit for bit, and a config.json whose quantization_config is ModelOpt NVFP4 (scale_fmt kept).
-Already-NVFP4 experts (nvidia-mixed) are copied, not re-quantized.
+Already-NVFP4 experts are not re-quantized: ModelOpt ones (nvidia-mixed) are copied, and
+compressed-tensors ones become ModelOpt's by renaming (`weight_packed` -> `weight`) and taking the
+reciprocal of the global scales, unless a w1/w3 pair has two global scales (then the pair is
+re-quantized with one shared scale, as vLLM's fused w13 needs). The `mtp.*` block is converted
+like the main layers (its e_proj / h_proj too).
 
 The whole SRC is checked before anything is written: config.json against the DeepSeek V4 schema
 (model_type, keys, types, vLLM's constraints), every shard's header (a truncated or corrupt shard
@@ -20,9 +25,9 @@ mis-shaped tensors are named). DST must not be SRC, lie inside it or contain it.
 shard by shard (one output shard per input shard, one tensor in memory at a time besides the
 shard being written), into a temporary folder next to DST that is renamed at the end, so DST is
 never half-written, also on SIGTERM or Ctrl-C. --force replaces a DST that holds only what a
-cutedsl tool wrote (its .cutedsl-checkpoint.json marker), never other files. `mtp.*` tensors (not
-used by vLLM 0.21.0) are copied as is. `input_scale` is not calibrated: amax --input-amax
-(default 32, > 0) / (6*448).
+cutedsl tool wrote (its .cutedsl-checkpoint.json marker), never other files. `mtp.*` tensors the
+config does not describe are copied as is. `input_scale` of re-quantized projections is not
+calibrated: amax --input-amax (default 32, > 0) / (6*448).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from cutedsl.tools.checkpoint import (
     dequantize_fp8_block,
     dequantize_mxfp4,
     encode_nvfp4,
+    has_mtp_block,
     quantize_fp8_block,
     quantize_mxfp4,
     read_linear,
@@ -99,6 +105,11 @@ def _progress(items, desc: str, on: bool, total: int | None = None):
     return tqdm(items, desc=desc, unit="tensor")
 
 
+def _reciprocal(t: torch.Tensor) -> torch.Tensor:
+    """A compressed-tensors global scale (a divisor, shape () or (1,)) -> ModelOpt's, shape ()."""
+    return (1.0 / t.double().reshape(())).float()
+
+
 def convert(
     src: str,
     dst: str,
@@ -129,12 +140,26 @@ def convert(
     mtp = validate_layout(ck, fmt)
     out_scheme = names or ck.scheme
     out_cfg = make_config_like(ck.config, "nvfp4")
-    specs = tensor_specs(ck.config)
+    specs = tensor_specs(ck.config, mtp=has_mtp_block(ck))
 
     def sname(native: str) -> str:
-        return N.to_scheme(native, ck.scheme)
+        return native if native.startswith("mtp.") else N.to_scheme(native, ck.scheme)
+
+    def ct_scale(name: str) -> float:
+        return float(ck.get(sname(f"{name}.weight_global_scale")).float().reshape(-1)[0])
+
+    # compressed-tensors NVFP4 pairs with one global scale convert bit for bit; others re-quantize
+    ct_groups: dict[str, list[str]] = {}
+    for s in specs:
+        if s.kind == "linear" and storage_of(s, fmt) == "ct_nvfp4":
+            ct_groups.setdefault(s.fuse or s.name, []).append(s.name)
+    lossless_ct = {
+        n for group in ct_groups.values() if len({ct_scale(n) for n in group}) == 1 for n in group
+    }
 
     def primary(s) -> str:  # the tensor whose shard decides where the spec's output goes
+        if s.kind == "linear" and storage_of(s, fmt) == "ct_nvfp4":
+            return sname(f"{s.name}.weight_packed")
         return sname(f"{s.name}.weight" if s.kind in ("linear", "bf16_linear") else s.name)
 
     # Pass 1: shared global amax per fused group, from the dequantized source.
@@ -142,7 +167,10 @@ def convert(
     fused = [
         s
         for s in specs
-        if s.kind == "linear" and s.fuse is not None and storage_of(s, fmt) != "nvfp4"
+        if s.kind == "linear"
+        and s.fuse is not None
+        and storage_of(s, fmt) != "nvfp4"
+        and s.name not in lossless_ct
     ]
     with torch.no_grad():
         for s in _progress(fused, "quantize: amax", progress):
@@ -183,6 +211,22 @@ def convert(
                             },
                         )
                         continue
+                    if s.name in lossless_ct:  # compressed-tensors NVFP4 -> ModelOpt
+                        n = s.name
+                        yield (
+                            shard,
+                            {
+                                f"{n}.weight": ck.get(sname(f"{n}.weight_packed")),
+                                f"{n}.weight_scale": ck.get(sname(f"{n}.weight_scale")),
+                                f"{n}.weight_scale_2": _reciprocal(
+                                    ck.get(sname(f"{n}.weight_global_scale"))
+                                ),
+                                f"{n}.input_scale": _reciprocal(
+                                    ck.get(sname(f"{n}.input_global_scale"))
+                                ),
+                            },
+                        )
+                        continue
                     w = read_linear(ck, sname(s.name))
                     ga = group_amax.get(s.fuse) if s.fuse is not None else None
                     yield shard, encode_nvfp4(s.name, w, group_amax=ga, input_amax=input_amax)
@@ -190,7 +234,8 @@ def convert(
 
     if mtp:
         print(
-            f"warning: {len(mtp)} mtp.* tensors are copied unconverted (vLLM 0.21.0 skips them)",
+            f"warning: {len(mtp)} mtp.* tensors the config does not describe are copied "
+            "unconverted",
             file=sys.stderr,
         )
     write_checkpoint(

@@ -5,8 +5,22 @@ Formats (how each quantizable projection is stored; everything else is the same 
   native        FP8 block-128 e4m3 + e8m0 `.scale`; MXFP4 routed experts (DeepSeek's V4-Flash).
   native-fp8    FP8 block everywhere, f32 `.scale` (`expert_dtype: fp8`, V4-Flash-Base).
   nvfp4         ModelOpt NVFP4 for every quantizable projection.
-  nvidia-mixed  NVFP4 routed experts, FP8 block (e8m0) rest (NVIDIA's published convention).
+  nvidia-mixed  NVIDIA ModelOpt's published DSv4 layout (nvidia/DeepSeek-V4-Flash-NVFP4, -Pro-NVFP4):
+                DeepSeek's native checkpoint with every routed expert (MTP block included) in
+                ModelOpt NVFP4, config.json `quantization_config` = DeepSeek's FP8 block config +
+                `moe_quant_algo: NVFP4`, and an `hf_quant_config.json` manifest.
+  ct-nvfp4-fp8  compressed-tensors (RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 recipe): routed experts
+                `nvfp4-pack-quantized` (`weight_packed`, `weight_scale`, `weight_global_scale`,
+                `input_global_scale`; global scales are divisors, 1 / ModelOpt's), attention
+                wq_a/wkv/wq_b/wo_a/wo_b FP8 block 128 (`weight` e4m3 + BF16 `weight_scale`), the rest
+                BF16; an MTP block (the canada-quant variant) is BF16.
   bf16          every weight BF16, no quantization_config.
+
+MTP: with `num_nextn_predict_layers` = n >= 1 a checkpoint also holds `mtp.{0..n-1}.*`: one decoder
+block (layer index num_hidden_layers + i for its compress ratio and routing) plus e_proj, h_proj,
+enorm, hnorm, norm, hc_head_{fn,base,scale}, emb.tok_emb and head (the names vLLM 0.21.0's
+deepseek_v4_mtp.py and DeepSeek's inference/model.py `MTPBlock` use). Sources for every layout:
+tests/test_checkpoint_layouts.py.
 """
 
 from __future__ import annotations
@@ -31,16 +45,19 @@ __all__ = [
     "check_config",
     "Spec",
     "tensor_specs",
+    "mtp_layers",
     "storage_of",
     "PLAIN_DTYPES",
     "linear_tensors",
     "expected_tensors",
     "quantization_config",
+    "hf_quant_config",
+    "NVIDIA_EXCLUDE_MODULES",
     "make_config_like",
     "detect_format",
 ]
 
-FORMATS = ("native", "native-fp8", "nvfp4", "nvidia-mixed", "bf16")
+FORMATS = ("native", "native-fp8", "nvfp4", "nvidia-mixed", "ct-nvfp4-fp8", "bf16")
 MODEL_TYPE = "deepseek_v4"
 
 
@@ -240,7 +257,12 @@ def check_config(cfg: dict) -> None:
     need(cfg["hc_mult"] == 4, "hc_mult must be 4")
     need(cfg["sliding_window"] == 128, "sliding_window must be 128")
     ratios = cfg["compress_ratios"]
-    need(len(ratios) >= L, f"compress_ratios has {len(ratios)} entries < num_hidden_layers={L}")
+    n_mtp = int(cfg.get("num_nextn_predict_layers") or 0)
+    need(
+        len(ratios) >= L + n_mtp,
+        f"compress_ratios has {len(ratios)} entries < num_hidden_layers + "
+        f"num_nextn_predict_layers = {L + n_mtp}",
+    )
     need(all(r in (0, 1, 4, 128) for r in ratios), f"compress_ratios {ratios}: entries in 0/4/128")
     need(0 <= cfg["num_hash_layers"] <= L, "num_hash_layers must be in [0, num_hidden_layers]")
     need(cfg["num_experts_per_tok"] <= cfg["n_routed_experts"], "top-k > n_routed_experts")
@@ -258,8 +280,9 @@ class Spec:
     """One logical tensor of the checkpoint, in native naming.
 
     kind "linear" is a quantizable projection: `name` is the module (`layers.0.attn.wq_a`) and
-    `shape` its logical [N, K]; `role` is "attn" (attention, indexer.wq_b), "shared" or "expert";
-    `fuse` names the fused group sharing one NVFP4 global scale (None if alone).
+    `shape` its logical [N, K]; `role` is "attn" (attention, indexer.wq_b), "shared", "expert"
+    or "mtp_proj" (the MTP block's e_proj / h_proj); `fuse` names the fused group sharing one
+    NVFP4 global scale (None if alone). Names starting with `mtp.` belong to an MTP block.
     Other kinds are stored as is under `name`: "bf16_linear" (never quantized projections,
     stored as `name.weight`), "embed", "head", "norm", "hc_fn", "hc_base", "hc_scale", "sink",
     "ape", "gate_bias", "tid2eid".
@@ -272,8 +295,14 @@ class Spec:
     fuse: str | None = None
 
 
-def tensor_specs(cfg: dict) -> list[Spec]:
-    """Every logical tensor of a DSv4 checkpoint for `cfg`, native names, in layer order."""
+def mtp_layers(cfg: dict) -> int:
+    """How many MTP blocks (`mtp.{i}.*`) a checkpoint for `cfg` holds."""
+    return int(cfg.get("num_nextn_predict_layers") or 0)
+
+
+def _block_specs(p: str, L: int, cfg: dict) -> list[Spec]:
+    """The decoder block under prefix `p` (`layers.3.`, `mtp.0.`); L: its layer index (the
+    compress ratio and hash routing read it)."""
     H, V = cfg["hidden_size"], cfg["vocab_size"]
     NH, D, Q = cfg["num_attention_heads"], cfg["head_dim"], cfg["q_lora_rank"]
     G, R = cfg["o_groups"], cfg["o_lora_rank"]
@@ -282,68 +311,74 @@ def tensor_specs(cfg: dict) -> list[Spec]:
     hc = cfg["hc_mult"]
     mix = (2 + hc) * hc
     Is = I * cfg["n_shared_experts"]
+    a, f = p + "attn.", p + "ffn."
+    ratio = cfg["compress_ratios"][L]
+    out = [Spec(p + "attn_norm.weight", (H,), "norm"), Spec(p + "ffn_norm.weight", (H,), "norm")]
+    for s in ("attn", "ffn"):
+        out += [
+            Spec(p + f"hc_{s}_fn", (mix, hc * H), "hc_fn"),
+            Spec(p + f"hc_{s}_base", (mix,), "hc_base"),
+            Spec(p + f"hc_{s}_scale", (3,), "hc_scale"),
+        ]
+    out += [
+        Spec(a + "wq_a", (Q, H), "linear", "attn", fuse=a + "fused_wqa_wkv"),
+        Spec(a + "wkv", (D, H), "linear", "attn", fuse=a + "fused_wqa_wkv"),
+        Spec(a + "q_norm.weight", (Q,), "norm"),
+        Spec(a + "kv_norm.weight", (D,), "norm"),
+        Spec(a + "wq_b", (NH * D, Q), "linear", "attn"),
+        Spec(a + "wo_a", (G * R, NH * D // G), "linear", "attn"),
+        Spec(a + "wo_b", (H, G * R), "linear", "attn"),
+        Spec(a + "attn_sink", (NH,), "sink"),
+    ]
+    if ratio > 1:
+        coff = 2 if ratio == 4 else 1
+        c = a + "compressor."
+        out += [
+            Spec(c + "wkv", (coff * D, H), "bf16_linear"),
+            Spec(c + "wgate", (coff * D, H), "bf16_linear"),
+            Spec(c + "ape", (ratio, coff * D), "ape"),
+            Spec(c + "norm.weight", (D,), "norm"),
+        ]
+    if ratio == 4:
+        x = a + "indexer."
+        out += [
+            Spec(x + "wq_b", (IH * ID, Q), "linear", "attn"),
+            Spec(x + "weights_proj", (IH, H), "bf16_linear"),
+            Spec(x + "compressor.wkv", (2 * ID, H), "bf16_linear"),
+            Spec(x + "compressor.wgate", (2 * ID, H), "bf16_linear"),
+            Spec(x + "compressor.ape", (4, 2 * ID), "ape"),
+            Spec(x + "compressor.norm.weight", (ID,), "norm"),
+        ]
+    out.append(Spec(f + "gate", (E, H), "bf16_linear"))
+    if L < cfg["num_hash_layers"]:
+        out.append(Spec(f + "gate.tid2eid", (V, K), "tid2eid"))
+    else:
+        out.append(Spec(f + "gate.bias", (E,), "gate_bias"))
+    se = f + "shared_experts."
+    out += [
+        Spec(se + "w1", (Is, H), "linear", "shared", fuse=se + "gate_up"),
+        Spec(se + "w3", (Is, H), "linear", "shared", fuse=se + "gate_up"),
+        Spec(se + "w2", (H, Is), "linear", "shared"),
+    ]
+    for e in range(E):
+        ex = f + f"experts.{e}."
+        out += [
+            Spec(ex + "w1", (I, H), "linear", "expert", fuse=ex + "w13"),
+            Spec(ex + "w3", (I, H), "linear", "expert", fuse=ex + "w13"),
+            Spec(ex + "w2", (H, I), "linear", "expert"),
+        ]
+    return out
+
+
+def tensor_specs(cfg: dict, mtp: bool = False) -> list[Spec]:
+    """Every logical tensor of a DSv4 checkpoint for `cfg`, native names, in layer order.
+
+    mtp: also the `mtp.{i}.*` blocks of `num_nextn_predict_layers` (vLLM's main model skips
+    them; its MTP draft model loads them)."""
+    H, V, hc = cfg["hidden_size"], cfg["vocab_size"], cfg["hc_mult"]
     out: list[Spec] = []
     for L in range(cfg["num_hidden_layers"]):
-        p = f"layers.{L}."
-        a, f = p + "attn.", p + "ffn."
-        ratio = cfg["compress_ratios"][L]
-        out += [
-            Spec(p + "attn_norm.weight", (H,), "norm"),
-            Spec(p + "ffn_norm.weight", (H,), "norm"),
-        ]
-        for s in ("attn", "ffn"):
-            out += [
-                Spec(p + f"hc_{s}_fn", (mix, hc * H), "hc_fn"),
-                Spec(p + f"hc_{s}_base", (mix,), "hc_base"),
-                Spec(p + f"hc_{s}_scale", (3,), "hc_scale"),
-            ]
-        out += [
-            Spec(a + "wq_a", (Q, H), "linear", "attn", fuse=a + "fused_wqa_wkv"),
-            Spec(a + "wkv", (D, H), "linear", "attn", fuse=a + "fused_wqa_wkv"),
-            Spec(a + "q_norm.weight", (Q,), "norm"),
-            Spec(a + "kv_norm.weight", (D,), "norm"),
-            Spec(a + "wq_b", (NH * D, Q), "linear", "attn"),
-            Spec(a + "wo_a", (G * R, NH * D // G), "linear", "attn"),
-            Spec(a + "wo_b", (H, G * R), "linear", "attn"),
-            Spec(a + "attn_sink", (NH,), "sink"),
-        ]
-        if ratio > 1:
-            coff = 2 if ratio == 4 else 1
-            c = a + "compressor."
-            out += [
-                Spec(c + "wkv", (coff * D, H), "bf16_linear"),
-                Spec(c + "wgate", (coff * D, H), "bf16_linear"),
-                Spec(c + "ape", (ratio, coff * D), "ape"),
-                Spec(c + "norm.weight", (D,), "norm"),
-            ]
-        if ratio == 4:
-            x = a + "indexer."
-            out += [
-                Spec(x + "wq_b", (IH * ID, Q), "linear", "attn"),
-                Spec(x + "weights_proj", (IH, H), "bf16_linear"),
-                Spec(x + "compressor.wkv", (2 * ID, H), "bf16_linear"),
-                Spec(x + "compressor.wgate", (2 * ID, H), "bf16_linear"),
-                Spec(x + "compressor.ape", (4, 2 * ID), "ape"),
-                Spec(x + "compressor.norm.weight", (ID,), "norm"),
-            ]
-        out.append(Spec(f + "gate", (E, H), "bf16_linear"))
-        if L < cfg["num_hash_layers"]:
-            out.append(Spec(f + "gate.tid2eid", (V, K), "tid2eid"))
-        else:
-            out.append(Spec(f + "gate.bias", (E,), "gate_bias"))
-        se = f + "shared_experts."
-        out += [
-            Spec(se + "w1", (Is, H), "linear", "shared", fuse=se + "gate_up"),
-            Spec(se + "w3", (Is, H), "linear", "shared", fuse=se + "gate_up"),
-            Spec(se + "w2", (H, Is), "linear", "shared"),
-        ]
-        for e in range(E):
-            ex = f + f"experts.{e}."
-            out += [
-                Spec(ex + "w1", (I, H), "linear", "expert", fuse=ex + "w13"),
-                Spec(ex + "w3", (I, H), "linear", "expert", fuse=ex + "w13"),
-                Spec(ex + "w2", (H, I), "linear", "expert"),
-            ]
+        out += _block_specs(f"layers.{L}.", L, cfg)
     out += [
         Spec("embed.weight", (V, H), "embed"),
         Spec("norm.weight", (H,), "norm"),
@@ -352,12 +387,28 @@ def tensor_specs(cfg: dict) -> list[Spec]:
         Spec("hc_head_base", (hc,), "hc_base"),
         Spec("hc_head_scale", (1,), "hc_scale"),
     ]
+    if mtp:
+        for i in range(mtp_layers(cfg)):
+            p = f"mtp.{i}."
+            out += _block_specs(p, cfg["num_hidden_layers"] + i, cfg)
+            out += [
+                Spec(p + "e_proj", (H, H), "linear", "mtp_proj"),
+                Spec(p + "h_proj", (H, H), "linear", "mtp_proj"),
+                Spec(p + "enorm.weight", (H,), "norm"),
+                Spec(p + "hnorm.weight", (H,), "norm"),
+                Spec(p + "norm.weight", (H,), "norm"),
+                Spec(p + "hc_head_fn", (hc, hc * H), "hc_fn"),
+                Spec(p + "hc_head_base", (hc,), "hc_base"),
+                Spec(p + "hc_head_scale", (1,), "hc_scale"),
+                Spec(p + "emb.tok_emb.weight", (V, H), "embed"),
+                Spec(p + "head.weight", (V, H), "head"),
+            ]
     return out
 
 
 def storage_of(spec: Spec, fmt: str) -> str:
     """How a linear spec is stored in `fmt`: "fp8" (e8m0 scales), "fp8_f32", "mxfp4", "nvfp4",
-    "bf16"."""
+    "ct_nvfp4" (compressed-tensors NVFP4), "ct_fp8" (compressed-tensors FP8 block), "bf16"."""
     if spec.kind != "linear":
         raise ValueError(f"{spec.name}: storage_of applies to kind 'linear', got {spec.kind!r}")
     if fmt == "native":
@@ -368,6 +419,15 @@ def storage_of(spec: Spec, fmt: str) -> str:
         return "nvfp4"
     if fmt == "nvidia-mixed":
         return "nvfp4" if spec.role == "expert" else "fp8"
+    if fmt == "ct-nvfp4-fp8":
+        if spec.name.startswith("mtp."):
+            return "bf16"
+        if spec.role == "expert":
+            return "ct_nvfp4"
+        # wq_a, wkv, wq_b, wo_a, wo_b (the recipe's `attn\.(wq_a|...)$` misses indexer.wq_b)
+        if spec.role == "attn" and ".indexer." not in spec.name:
+            return "ct_fp8"
+        return "bf16"
     if fmt == "bf16":
         return "bf16"
     raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
@@ -411,13 +471,26 @@ def linear_tensors(name: str, shape: tuple[int, ...], storage: str) -> dict[str,
             f"{name}.weight_scale_2": ((), torch.float32),
             f"{name}.input_scale": ((), torch.float32),
         }
+    if storage == "ct_nvfp4":
+        return {
+            f"{name}.weight_packed": ((n, k // 2), torch.uint8),
+            f"{name}.weight_scale": ((n, k // 16), torch.float8_e4m3fn),
+            f"{name}.weight_global_scale": ((), torch.float32),
+            f"{name}.input_global_scale": ((), torch.float32),
+        }
+    if storage == "ct_fp8":
+        return {
+            f"{name}.weight": ((n, k), torch.float8_e4m3fn),
+            f"{name}.weight_scale": ((math.ceil(n / 128), math.ceil(k / 128)), torch.bfloat16),
+        }
     raise ValueError(f"{name}: unknown storage {storage!r}")
 
 
 def expected_tensors(cfg: dict, fmt: str, scheme: str = "native") -> dict[str, tuple]:
-    """Every checkpoint tensor {name: (shape tuple, torch dtype)} for `cfg` in `fmt`/`scheme`."""
+    """Every checkpoint tensor {name: (shape tuple, torch dtype)} for `cfg` in `fmt`/`scheme`
+    (`mtp.*` names, not renamed by the schemes, included)."""
     out: dict[str, tuple] = {}
-    for s in tensor_specs(cfg):
+    for s in tensor_specs(cfg, mtp=True):
         if s.kind == "linear":
             items = linear_tensors(s.name, s.shape, storage_of(s, fmt))
         elif s.kind == "bf16_linear":
@@ -425,7 +498,7 @@ def expected_tensors(cfg: dict, fmt: str, scheme: str = "native") -> dict[str, t
         else:
             items = {s.name: (s.shape, PLAIN_DTYPES[s.kind])}
         for n, v in items.items():
-            out[N.to_scheme(n, scheme)] = v
+            out[n if n.startswith("mtp.") else N.to_scheme(n, scheme)] = v
     return out
 
 
@@ -462,28 +535,116 @@ def quantization_config(cfg: dict, fmt: str) -> dict | None:
                 "layers.*.attn.indexer.compressor*",
                 "layers.*.attn.indexer.weights_proj",
                 "layers.*.ffn.gate",
-                "mtp*",
             ],
         }
     if fmt == "nvidia-mixed":
-        # NVIDIA's nvidia/DeepSeek-V4-Flash-NVFP4 config.
-        L = cfg["num_hidden_layers"]
-        return {
-            **fp8,
-            "quant_algo": "MIXED_PRECISION",
-            "moe_quant_algo": "NVFP4",
-            "group_size": 16,
-            "kv_cache_quant_algo": None,
-            "producer": {"name": "modelopt"},
-            "ignore": ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"],
-            "quantized_layers": {
-                f"layers.{i}.ffn.experts": {"quant_algo": "NVFP4", "group_size": 16}
-                for i in range(L)
-            },
-        }
+        # Model-Optimizer examples/deepseek/deepseek_v4/quantize_to_nvfp4.py
+        # `_rewrite_config_json`: the source (DeepSeek) FP8 config plus moe_quant_algo.
+        return {**fp8, "moe_quant_algo": "NVFP4"}
+    if fmt == "ct-nvfp4-fp8":
+        return _ct_quantization_config()
     if fmt == "bf16":
         return None
     raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
+
+
+def _ct_args(num_bits: int, strategy: str, **kw) -> dict:
+    args = {
+        "num_bits": num_bits,
+        "type": "float",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": strategy,
+        "block_structure": None,
+        "dynamic": False,
+        "actorder": None,
+        "scale_dtype": None,
+        "zp_dtype": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
+    args.update(kw)
+    return args
+
+
+def _ct_quantization_config() -> dict:
+    """compressed-tensors `quantization_config` of the NVFP4-experts + FP8-block-attention recipe
+    (canada-quant/dsv4-flash-nvfp4-fp8-mtp docs/recipes/nvfp4_fp8_mtp_replication.md section 5,
+    stated there to match RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8)."""
+    nvfp4 = _ct_args(4, "tensor_group", group_size=16)
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mixed-precision",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": [r"re:.*attn\.(wq_a|wq_b|wkv|wo_a|wo_b)$"],
+                "weights": _ct_args(8, "block", block_structure=[128, 128]),
+                "input_activations": None,
+                "output_activations": None,
+                "format": "float-quantized",
+            },
+            "group_1": {
+                "targets": [r"re:.*ffn\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"],
+                "weights": nvfp4,
+                "input_activations": {**nvfp4, "dynamic": "local"},
+                "output_activations": None,
+                "format": "nvfp4-pack-quantized",
+            },
+        },
+        "ignore": [
+            "lm_head",
+            r"re:.*\.embed_tokens$",
+            r"re:.*\.norm$",
+            r"re:.*\.gate$",
+            r"re:.*\.q_norm$",
+            r"re:.*\.k_norm$",
+            r"re:.*mtp\..*",
+        ],
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "global_compression_ratio": None,
+    }
+
+
+# Model-Optimizer examples/deepseek/deepseek_v4/quantize_to_nvfp4.py `_write_index_and_manifest`.
+NVIDIA_EXCLUDE_MODULES = [
+    "*.attn.*", "*.attn_norm.*",
+    "*.ffn.shared_experts.*", "*.ffn.gate.*",
+    "*.ffn_norm.*",
+    "embed.weight", "head.weight",
+    "*.hc_*",
+    "*.h_proj.*", "*.e_proj.*",
+    "*.enorm.*", "*.hnorm.*",
+    "mtp.*.norm.*", "norm.weight",
+]  # fmt: skip
+
+
+def hf_quant_config(cfg: dict, fmt: str) -> dict | None:
+    """The `hf_quant_config.json` a format ships beside config.json (None: no such file).
+
+    nvidia-mixed: ModelOpt's manifest; `quantized_layers` lists every NVFP4 expert projection
+    (`layers.L.ffn.experts.E.wX`, `mtp.i.ffn.experts.E.wX`). vLLM 0.21.0 reads this file only
+    when config.json has no quantization_config (transformers_utils/config.py), so it is
+    informational for these checkpoints."""
+    if fmt != "nvidia-mixed":
+        return None
+    layers = sorted(
+        s.name
+        for s in tensor_specs(cfg, mtp=True)
+        if s.kind == "linear" and storage_of(s, fmt) == "nvfp4"
+    )
+    return {
+        "producer": {"name": "modelopt", "version": "dsv4-nvfp4-experts"},
+        "quantization": {
+            "quant_algo": "MIXED_PRECISION",
+            "kv_cache_quant_algo": None,
+            "group_size": 16,
+            "quantized_layers": {n: {"quant_algo": "NVFP4", "group_size": 16} for n in layers},
+            "exclude_modules": list(NVIDIA_EXCLUDE_MODULES),
+        },
+    }
 
 
 def make_config_like(src_cfg: dict, fmt: str) -> dict:
@@ -506,7 +667,7 @@ def make_config_like(src_cfg: dict, fmt: str) -> dict:
 
 
 def detect_format(cfg: dict) -> str:
-    """The format name of a config: native, native-fp8, nvidia-mixed, nvfp4, bf16.
+    """The format name of a config: native, native-fp8, nvidia-mixed, nvfp4, ct-nvfp4-fp8, bf16.
     Raises ConfigError for a quantization_config no DSv4 layout has."""
     qc = cfg.get("quantization_config")
     if not qc:
@@ -528,4 +689,17 @@ def detect_format(cfg: dict) -> str:
         if ed == "fp8":
             return "native-fp8"
         raise ConfigError(f"config: expert_dtype {ed!r}, expected 'fp4' or 'fp8'")
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups")
+        fmts = (
+            {g.get("format") for g in groups.values() if isinstance(g, dict)}
+            if isinstance(groups, dict)
+            else set()
+        )
+        if "nvfp4-pack-quantized" in fmts:
+            return "ct-nvfp4-fp8"
+        raise ConfigError(
+            "quantization_config: compressed-tensors without an nvfp4-pack-quantized group "
+            f"(formats {sorted(str(f) for f in fmts)}) is not a known DSv4 layout"
+        )
     raise ConfigError(f"quantization_config: quant_method {method!r} is not a known DSv4 layout")

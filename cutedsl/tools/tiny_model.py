@@ -1,6 +1,6 @@
 """Generate a random-weight DeepSeek V4 checkpoint that vLLM 0.21.0 and HF transformers 5.17.0 load.
 
-    dsv4-tiny-model OUT [--format native|native-fp8|nvfp4|nvidia-mixed|bf16]
+    dsv4-tiny-model OUT [--format native|native-fp8|nvfp4|nvidia-mixed|ct-nvfp4-fp8|bf16]
         [--names native|hf] [--preset tiny|flash-layers] [--layers N] [--seed N]
         [--config JSON|FILE] [--device cpu|cuda] [--router-gain G] [--expert-shared R] [--force]
     dsv4-tiny-model --list [--preset P] [--format F] [--config JSON|FILE]
@@ -13,10 +13,21 @@ Formats (what each quantizable projection is stored as; everything else is ident
   nvfp4         full ModelOpt NVFP4: every quantizable projection (fused_wqa_wkv pair, wq_b, wo_a,
                 wo_b, indexer.wq_b, shared expert, routed experts): `.weight` uint8 [N, K/2],
                 `.weight_scale` e4m3 [N, K/16], `.weight_scale_2` f32 [], `.input_scale` f32 [].
-  nvidia-mixed  NVFP4 routed experts, FP8 block (e8m0) rest; `quant_method: fp8` +
-                `moe_quant_algo: NVFP4`, NVIDIA's published DSv4 convention.
+  nvidia-mixed  NVIDIA ModelOpt's published layout (nvidia/DeepSeek-V4-Flash-NVFP4, -Pro-NVFP4):
+                native, with every routed expert (MTP block's too) ModelOpt NVFP4; config.json
+                `quantization_config` = DeepSeek's FP8 config + `moe_quant_algo: NVFP4`, plus
+                ModelOpt's `hf_quant_config.json` manifest (MIXED_PRECISION, quantized_layers).
+  ct-nvfp4-fp8  compressed-tensors, RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8's recipe: routed experts
+                nvfp4-pack-quantized (`weight_packed` u8, `weight_scale` e4m3, `weight_global_scale`
+                and `input_global_scale` f32 = 1 / ModelOpt's weight_scale_2 / input_scale),
+                wq_a/wkv/wq_b/wo_a/wo_b FP8 block (`weight` e4m3 + `weight_scale` BF16
+                [N/128, K/128]), the rest BF16; an MTP block stays BF16 (canada-quant's variant).
   bf16          every weight BF16, no quantization_config (HF / converter input; pristine vLLM
                 0.21.0 cannot load it: DeepseekV4Attention reads quantization_config["scale_fmt"]).
+MTP: `--config '{"num_nextn_predict_layers": 1}'` adds the `mtp.0.*` block (a decoder block at
+layer index num_hidden_layers, e_proj, h_proj, enorm, hnorm, norm, hc_head_*, emb.tok_emb, head),
+stored like the format's main layers (ct-nvfp4-fp8: BF16); compress_ratios needs an entry for it.
+The layouts and their sources: cutedsl/tools/schema.py and tests/test_checkpoint_layouts.py.
 Never quantized: compressor wkv/wgate, indexer weights_proj, ffn.gate, embed, head (BF16); mHC,
 attn_sink, ape, gate.bias (f32); norms (BF16); tid2eid (int64).
 
@@ -74,7 +85,9 @@ from cutedsl.tools.schema import (
     Spec,
     check_config,
     expected_tensors,
+    hf_quant_config,
     make_config_like,
+    mtp_layers,
     quantization_config,
     storage_of,
     tensor_specs,
@@ -92,6 +105,7 @@ __all__ = [
     "make_config_like",
     "check_config",
     "mhc_decode_hazard",
+    "mtp_layers",
     "tensor_specs",
     "storage_of",
     "expected_tensors",
@@ -328,8 +342,8 @@ def _iter_tensors(
     def master(s: Spec) -> torch.Tensor:
         return master_tensor(s, cfg, seed, device, router_gain, expert_shared)
 
-    specs = tensor_specs(cfg)
-    groups = _fused_partners(specs) if fmt in ("nvfp4", "nvidia-mixed") else {}
+    specs = tensor_specs(cfg, mtp=True)
+    groups = _fused_partners(specs) if fmt in ("nvfp4", "nvidia-mixed", "ct-nvfp4-fp8") else {}
     cache: dict[str, torch.Tensor] = {}  # masters of fused partners generated ahead of time
     gamax: dict[str, float] = {}
     if progress:
@@ -339,7 +353,11 @@ def _iter_tensors(
     else:
         specs_it = specs
     for s in specs_it:
-        layer = int(s.name.split(".")[1]) if s.name.startswith("layers.") else -1
+        layer = -1
+        if s.name.startswith("layers."):
+            layer = int(s.name.split(".")[1])
+        elif s.name.startswith("mtp."):
+            layer = cfg["num_hidden_layers"] + int(s.name.split(".")[1])
         m = cache.pop(s.name, None)
         if m is None:
             m = master(s)
@@ -348,7 +366,7 @@ def _iter_tensors(
             m = m.bfloat16().float()
             st = storage_of(s, fmt)
             ga = None
-            if st == "nvfp4" and s.fuse in groups:
+            if st in ("nvfp4", "ct_nvfp4") and s.fuse in groups:
                 if s.fuse not in gamax:  # first member: generate the partners now, share amax
                     a = float(m.abs().amax())
                     for p in groups[s.fuse]:
@@ -408,10 +426,13 @@ def generate(
                     f"warning: vocab_size {cfg['vocab_size']}: no tokenizer written",
                     file=sys.stderr,
                 )
-        extra = tiny_tokenizer.tokenizer_files(cfg["vocab_size"]) if tokenizer else None
+        extra = tiny_tokenizer.tokenizer_files(cfg["vocab_size"]) if tokenizer else {}
+        hqc = hf_quant_config(cfg, fmt)
+        if hqc is not None:
+            extra = {**extra, "hf_quant_config.json": hqc}
         write_checkpoint(
             out, cfg, it, scheme=scheme, max_shard_bytes=max_shard_bytes, force=force,
-            extra_files=extra, writer="cutedsl.tools.tiny_model",
+            extra_files=extra or None, writer="cutedsl.tools.tiny_model",
         )  # fmt: skip
     return cfg
 
