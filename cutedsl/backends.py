@@ -1,9 +1,16 @@
-"""Which implementation a runner uses: `sm100` (native NVFP4), `sm90` (W4A16) or `reference` (torch).
+"""Which implementation a runner uses: `sm100` (native NVFP4), `sm90` (W4A16), `reference` (torch)
+or `sm100-emulated`.
 
 Auto selection by the device: SM100 → sm100, SM90 → sm90, CPU (or any other GPU) → reference, with a
-warning on a GPU since the reference is slow. `CUTEDSL_BACKEND=sm100|sm90|reference` forces one for
-every runner; a runner's own `backend=` argument wins over both. A forced backend that cannot run on
-the device raises `BackendUnavailableError` — never a silent fallback.
+warning on a GPU since the reference is slow. `CUTEDSL_BACKEND=sm100|sm90|reference|sm100-emulated`
+forces one for every runner; a runner's own `backend=` argument wins over both. A forced backend
+that cannot run on the device raises `BackendUnavailableError` — never a silent fallback.
+
+`sm100-emulated` is the sm100 backend's own code (weight preparation, blocked scales, layouts,
+workspaces, launcher checks, W4A4 numerics) with each CuTeDSL kernel launch replaced by the torch
+statement of that kernel's contract (`cutedsl.sm100.emulate`). It runs on any device, CPU or any
+CUDA GPU, and is chosen only by name, never automatically: it tests the Blackwell host path where
+no Blackwell GPU is, and is much slower than a real backend.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import os
 import torch
 
 ENV_VAR = "CUTEDSL_BACKEND"
-BACKENDS = ("sm100", "sm90", "reference")
+BACKENDS = ("sm100", "sm90", "reference", "sm100-emulated")
 _REQUIRED_MAJOR = {"sm100": 10, "sm90": 9}
 logger = logging.getLogger(__name__)
 

@@ -55,7 +55,11 @@ def inverse_rope_into(
 
 
 class Nvfp4GroupedOproj(Runner):
-    impls = {"sm90": sm90_runners.GroupedOproj, "sm100": sm100_runners.GroupedOproj}
+    impls = {
+        "sm90": sm90_runners.GroupedOproj,
+        "sm100": sm100_runners.GroupedOproj,
+        "sm100-emulated": sm100_runners.EmulatedGroupedOproj,
+    }
     checkpoint_tensors = ("weight", "weight_scale")
 
     def __init__(

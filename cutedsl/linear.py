@@ -22,7 +22,11 @@ from cutedsl.validate import check_tensor, scalar_f32
 
 
 class Nvfp4Linear(Runner):
-    impls = {"sm90": sm90_runners.Linear, "sm100": sm100_runners.Linear}
+    impls = {
+        "sm90": sm90_runners.Linear,
+        "sm100": sm100_runners.Linear,
+        "sm100-emulated": sm100_runners.EmulatedLinear,
+    }
     checkpoint_tensors = ("weight", "weight_scale")
 
     def __init__(

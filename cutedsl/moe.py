@@ -21,7 +21,11 @@ from cutedsl.validate import check_tensor, per_expert_f32
 
 
 class Nvfp4MoE(Runner):
-    impls = {"sm90": sm90_runners.MoE, "sm100": sm100_runners.MoE}
+    impls = {
+        "sm90": sm90_runners.MoE,
+        "sm100": sm100_runners.MoE,
+        "sm100-emulated": sm100_runners.EmulatedMoE,
+    }
     checkpoint_tensors = ("w13", "w13_scale", "w2", "w2_scale")
 
     def __init__(

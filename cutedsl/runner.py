@@ -5,8 +5,9 @@ then, never per call), and called through its torch.library op (`cutedsl.ops`), 
 sees one opaque op and CUDA graphs capture only the backend's kernels. `run()` is the op body:
 checks, the M == 0 early return, then the backend.
 
-Each public runner names its GPU implementations in `impls` (backend name -> class taking the
-runner); "reference" is the runner's own `_reference`. Input checks: `cutedsl.validate`.
+Each public runner names its other implementations in `impls` (backend name -> class taking
+the runner: the sm90 and sm100 kernels, and sm100-emulated); "reference" is the runner's own
+`_reference`. Input checks: `cutedsl.validate`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,11 @@ from cutedsl.validate import check_tensor, scalar_f32
 
 
 class Nvfp4SharedMlp(Runner):
-    impls = {"sm90": sm90_runners.SharedMlp, "sm100": sm100_runners.SharedMlp}
+    impls = {
+        "sm90": sm90_runners.SharedMlp,
+        "sm100": sm100_runners.SharedMlp,
+        "sm100-emulated": sm100_runners.EmulatedSharedMlp,
+    }
     checkpoint_tensors = ("w13", "w13_scale", "w2", "w2_scale")
 
     def __init__(

@@ -130,31 +130,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if report.failed and seed is not None:
         report.sections.append(("seed", f"seed={seed} ({SEED_ENV}={seed} to reproduce)"))
     return report
-
-
-# ------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture
-def emulated_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the launchers' own code on the CPU with each kernel replaced by its torch statement
-    (`expected_quant` / `emulate_gemm`), so buffer sizes, views and alphas are exercised."""
-
-    import torch
-
-    from cutedsl.sm100 import emulate
-    from cutedsl.sm100 import gemm as launchers
-
-    def quant(x, gs, padded_t, q, sf):
-        eq, esf = emulate.expected_quant(x, gs, padded_t)
-        q.copy_(eq)
-        sf.copy_(esf.view(torch.uint8))
-
-    def gemm(a, a_sf, b, b_sf, alpha, out, **kw):
-        emulate.emulate_gemm(
-            a, a_sf.view(torch.float8_e4m3fn), b, b_sf.view(torch.float8_e4m3fn), alpha, out, **kw
-        )
-
-    # `linear` / `grouped` / `moe` look both up as globals of cutedsl.sm100.gemm at call time.
-    monkeypatch.setattr(launchers, "quantize_act", quant)
-    monkeypatch.setattr(launchers, "gemm", gemm)

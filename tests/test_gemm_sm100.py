@@ -569,29 +569,29 @@ def test_linear_cuda_graph_replay_with_new_data() -> None:
 
 
 @pytest.mark.parametrize("m", [1, 129])
-def test_linear_launcher_emulated(emulated_device, m: int) -> None:
+def test_linear_launcher_emulated(m: int) -> None:
     n, k = 256, 512
     x = _act((m, k))
     wp, ws, wg = _weight(n, k)
     xs = _input_scale(x)
     pw = weight.prepare_weight(wp, ws)
-    out = launchers.linear(x, pw, xs, xs * wg)
+    out = launchers.linear(x, pw, xs, xs * wg, kernels=emulate.EMULATED)
     ref = reference.nvfp4_linear_ref(x, wp, ws, wg, act="nvfp4", input_scale=xs.reshape(()))
     _assert_close_bf16(out, ref)
 
 
-def test_grouped_oproj_launcher_emulated(emulated_device) -> None:
+def test_grouped_oproj_launcher_emulated() -> None:
     t, g, d, r = 70, 4, 256, 128
     x = _act((t, g, d))
     wp, ws, wg = _weight(g * r, d)
     xs = _input_scale(x)
     pw = weight.prepare_weight(wp, ws, groups=g)
-    out = launchers.grouped(x, pw, xs, xs * wg)
+    out = launchers.grouped(x, pw, xs, xs * wg, kernels=emulate.EMULATED)
     ref = reference.nvfp4_grouped_oproj_ref(x, wp, ws, wg, act="nvfp4", input_scale=xs.reshape(()))
     _assert_close_bf16(out, ref)
 
 
-def test_moe_launcher_emulated(emulated_device) -> None:
+def test_moe_launcher_emulated() -> None:
     m, topk, e, hid, i, lim = 30, 2, 3, 256, 256, 10.0
     x = _act((m, hid), scale=2.0)
     ids, tw = _routing(m, topk, e)
@@ -604,7 +604,9 @@ def test_moe_launcher_emulated(emulated_device) -> None:
     a13, a2 = _input_scale(x), torch.tensor([0.3 / 2688.0])
     pw13 = weight.prepare_weight(weight.interleave_w13(w13p), weight.interleave_w13(w13s))
     pw2 = weight.prepare_weight(w2p, w2s)
-    out = launchers.moe(x, ids, tw, pw13, pw2, a13, a2, a13 * w13g, a2 * w2g, lim)
+    out = launchers.moe(
+        x, ids, tw, pw13, pw2, a13, a2, a13 * w13g, a2 * w2g, lim, kernels=emulate.EMULATED
+    )
     ref = reference.nvfp4_moe_ref(
         x, ids, tw, w13p, w13s, w13g, w2p, w2s, w2g, lim, "nvfp4", a13.reshape(()), a2.reshape(())
     )

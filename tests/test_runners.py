@@ -222,6 +222,14 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
         select_backend("cpu")
     monkeypatch.setenv("CUTEDSL_BACKEND", "reference")
     assert select_backend("cpu") == "reference"
+    # sm100-emulated runs on any device, and only when named: never the automatic choice.
+    assert select_backend("cpu", "sm100-emulated") == "sm100-emulated"
+    monkeypatch.setenv("CUTEDSL_BACKEND", "sm100-emulated")
+    lin = Nvfp4Linear(*formats.quantize_nvfp4(torch.randn(128, 256)), input_scale=0.01)
+    assert lin.backend == "sm100-emulated"
+    assert select_backend("cpu", "reference") == "reference"  # backend= wins over the variable
+    monkeypatch.delenv("CUTEDSL_BACKEND")
+    assert select_backend("cpu") == "reference"
 
 
 def test_route_groups_assignments_by_expert(gen: torch.Generator) -> None:

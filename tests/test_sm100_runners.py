@@ -1,39 +1,50 @@
-"""The sm100 backend glue of each runner (weight prep, w13 interleave, alphas, input scales) on
-the CPU, with the two kernels replaced by their torch statements (`emulated_device`), against the
-W4A4 torch reference. The kernels themselves are only compiled here (no Blackwell GPU).
+"""The public runners on the `sm100-emulated` backend, on the CPU: the sm100 backend's own code
+(weight prep, w13 interleave, blocked scales, alphas, input scales, o-proj and MoE layouts,
+workspaces, launcher checks) with only the two kernel launches replaced by their torch
+statements (`cutedsl.sm100.emulate.EMULATED`), against the independent W4A4 torch reference
+(`cutedsl.reference`, act="nvfp4") on fresh random data. The kernels themselves are only
+compiled here (no Blackwell GPU); tests/test_sm100_emulated_gpu.py runs the same path on a GPU
+inside CUDA graphs.
 
-Each impl is warmed up first (compiles stubbed); its workspace buffers are then poisoned with
-0xFF bytes (NaN for bf16/fp32) and each call runs with `Workspace.reserve` forbidden (a hot-path
-reservation would be an allocation), at two sizes, on fresh data; one row more than warmed up
-raises the workspace's clear error."""
+Each runner is warmed up first; its workspace buffers are then poisoned with 0xFF bytes (NaN for
+bf16/fp32), and each call goes through the runner's torch.library op with `Workspace.reserve`
+forbidden (a hot-path reservation would be an allocation), at two sizes; every output element
+must be finite (written). One row more than warmed up raises the workspace's clear error."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from nvfp4_data import assert_close_to_ref, bf16, fresh_gen, quantized
+from nvfp4_data import assert_close_to_ref, bf16, fresh_gen, quantized, workspaces
 from nvfp4_data import no_reserve as _no_reserve
-from nvfp4_data import warm_and_poison as _warm
 
 from cutedsl import formats, reference, workspace
 from cutedsl.grouped_oproj import Nvfp4GroupedOproj
 from cutedsl.linear import Nvfp4Linear
 from cutedsl.moe import Nvfp4MoE
 from cutedsl.shared_mlp import Nvfp4SharedMlp
+from cutedsl.sm100 import emulate, layout, runners
 from cutedsl.sm100 import gemm as launchers
-from cutedsl.sm100 import layout
-from cutedsl.sm100 import runners as sm100_runners
+from cutedsl.sm100.weight import prepare_weight
 from cutedsl.workspace import Workspace, WorkspaceError
 
 LIMIT = 10.0
+EMU = "sm100-emulated"
 
 
-@pytest.fixture
-def warm(emulated_device, monkeypatch: pytest.MonkeyPatch):
-    """The emulated kernels, fresh shared workspaces, no compile; returns `_warm`."""
+@pytest.fixture(autouse=True)
+def _fresh_workspaces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(workspace, "_SHARED", {})
-    monkeypatch.setattr(launchers, "precompile", lambda limit=None: None)
-    return _warm
+
+
+def _warm(runner, max_tokens: int) -> None:
+    """runner.warmup(max_tokens), then 0xFF (NaN) into every workspace byte it may read."""
+    runner.warmup(max_tokens)
+    wss = workspaces(runner._impl)
+    assert wss and any(ws._bufs for ws in wss), "warm-up reserved nothing"
+    for ws in wss:
+        for b in ws._bufs.values():
+            b.fill_(0xFF)
 
 
 def _in_scale(x: torch.Tensor) -> torch.Tensor:
@@ -44,97 +55,218 @@ def _check_requantized(got: torch.Tensor, want: torch.Tensor) -> None:
     """Two GEMMs with an NVFP4 re-quantized intermediate: the kernel quantizes the bf16 SwiGLU
     output, the reference the fp32 one, so single codes may flip at rounding boundaries; compare
     with DeepGEMM's calc_diff (1 - 2Σxy/Σ(x²+y²), float64), as STYLE.md prescribes for this case."""
-    assert torch.isfinite(got).all()
+    assert torch.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite output"
     x, y = got.double(), want.double()
     diff = 1 - 2 * (x * y).sum() / (x * x + y * y).sum()
     assert diff < 2e-3, float(diff)
 
 
+def test_the_impls_are_the_sm100_classes_with_emulated_kernels() -> None:
+    g = fresh_gen()
+    lin = Nvfp4Linear(*quantized(256, 512, gen=g), input_scale=0.01, backend=EMU)
+    assert lin.backend == EMU and type(lin._impl) is runners.EmulatedLinear
+    assert isinstance(lin._impl, runners.Linear) and lin._impl.kernels is emulate.EMULATED
+    assert lin.weight is None  # prepared copies only, as on sm100
+    assert runners.Linear.kernels is launchers.CUTEDSL
+
+
 @pytest.mark.parametrize("m", [1, 130])
-def test_linear(warm, monkeypatch, m: int) -> None:
+def test_linear(monkeypatch, m: int) -> None:
     g = fresh_gen()
     x = bf16(m, 512, gen=g)
     wq, xs = quantized(256, 512, gen=g), _in_scale(x)
-    r = Nvfp4Linear(*wq, input_scale=xs, backend="reference")
-    impl = sm100_runners.Linear(r)
-    warm(impl, 130)
+    lin = Nvfp4Linear(*wq, input_scale=xs, backend=EMU)
+    _warm(lin, 130)
     for xx in (x, bf16(m + 3, 512, gen=g)):
         with _no_reserve(monkeypatch):
-            got = impl(xx)
+            got = lin(xx)
         assert_close_to_ref(got, reference.nvfp4_linear_ref(xx, *wq, act="nvfp4", input_scale=xs))
     with pytest.raises(WorkspaceError, match=r"linear/q: needs .* reserved; Runner.warmup"):
-        impl(bf16(257, 512, gen=g))  # 130 rows pad to 256; 257 do not fit
+        lin(bf16(257, 512, gen=g))  # 130 rows pad to 256; 257 do not fit
 
 
-def test_grouped_oproj(warm, monkeypatch) -> None:
+@pytest.mark.parametrize("t", [9, 128])
+def test_grouped_oproj(monkeypatch, t: int) -> None:
+    """o (T, NH, hd) -> inverse RoPE into the "main" workspace -> quant reads (T, G, D) in place
+    -> the GEMM writes (T, G, R) through the strided view."""
     g = fresh_gen()
-    t, grp, d, rr = 9, 2, 256, 128
-    x = bf16(t, grp, d, gen=g)
-    wq, xs = quantized(grp * rr, d, gen=g), _in_scale(x)
-    r = Nvfp4GroupedOproj(*wq, input_scale=xs, n_groups=grp, backend="reference")
-    impl = sm100_runners.GroupedOproj(r)
-    warm(impl, 128)
-    for xx in (x, bf16(128, grp, d, gen=g)):
+    grp, nh, hd, rr = 2, 4, 128, 128  # D = NH*hd/G = 256
+    d = nh * hd // grp
+    wq = quantized(grp * rr, d, gen=g)
+    theta = torch.rand(300, 32, generator=g) * 6.28
+    cache = torch.cat([theta.cos(), theta.sin()], -1)
+    o = bf16(t, nh, hd, gen=g)
+    xs = _in_scale(o)
+    op = Nvfp4GroupedOproj(*wq, input_scale=xs, n_groups=grp, head_dim=hd, backend=EMU)
+    _warm(op, 128)
+    for oo in (o, bf16(5, nh, hd, gen=g)):
+        pos = torch.randint(0, 300, (oo.shape[0],), generator=g)
         with _no_reserve(monkeypatch):
-            got = impl(xx)
-        want = reference.nvfp4_grouped_oproj_ref(xx, *wq, act="nvfp4", input_scale=xs)
+            got = op(oo, pos, cache)
+        x = reference.inverse_rope_ref(oo, pos, cache).view(oo.shape[0], grp, d)
+        want = reference.nvfp4_grouped_oproj_ref(x, *wq, act="nvfp4", input_scale=xs)
         assert_close_to_ref(got, want)
-    with pytest.raises(WorkspaceError, match=r"main/q: needs .* reserved"):
-        impl(bf16(129, grp, d, gen=g))
+    with pytest.raises(WorkspaceError, match=r"main/rope\.x: needs .* reserved"):
+        op(bf16(129, nh, hd, gen=g), torch.zeros(129, dtype=torch.int64), cache)
 
 
-def test_shared_mlp(warm, monkeypatch) -> None:
+def test_shared_mlp(monkeypatch) -> None:
     g = fresh_gen()
     h, i, m = 256, 256, 5
     x = bf16(m, h, gen=g, scale=3.0)
     w13, w2 = quantized(2 * i, h, gen=g), quantized(h, i, gen=g, scale=0.3)
     a13, a2 = _in_scale(x), torch.tensor(12.0 / 2688)
-    r = Nvfp4SharedMlp(*w13, a13, *w2, a2, swiglu_limit=LIMIT, backend="reference")
-    impl = sm100_runners.SharedMlp(r)
-    warm(impl, 8)
+    mlp = Nvfp4SharedMlp(*w13, a13, *w2, a2, swiglu_limit=LIMIT, backend=EMU)
+    _warm(mlp, 8)
     assert set(workspace._SHARED) == {(torch.device("cpu"), "shared")}  # not "main"
     for xx in (x, bf16(8, h, gen=g, scale=3.0)):
         with _no_reserve(monkeypatch):
-            got = impl(xx)
-        _check_requantized(
-            got, reference.nvfp4_shared_mlp_ref(xx, *w13, *w2, LIMIT, "nvfp4", a13, a2)
-        )
+            got = mlp(xx)
+        want = reference.nvfp4_shared_mlp_ref(xx, *w13, *w2, LIMIT, "nvfp4", a13, a2)
+        _check_requantized(got, want)
     with pytest.raises(WorkspaceError, match=r"shared/h: needs .* reserved"):
-        impl(bf16(9, h, gen=g))
+        mlp(bf16(9, h, gen=g))
 
 
-def test_moe_uses_max_input_scale(warm, monkeypatch) -> None:
+@pytest.mark.parametrize("case", ["random", "one_expert", "not_local"])
+def test_moe(monkeypatch, case: str) -> None:
+    """Per-expert input scales that differ 4x: the runner quantizes with their max (as vLLM
+    keeps one); using the min instead must show. An expert gets no token in every case."""
     g = fresh_gen()
-    e, h, i, m, k = 3, 256, 256, 10, 2
+    e, h, i, m, k = 4, 256, 256, 10, 2
     x = bf16(m, h, gen=g, scale=2.0)
     w13, w2 = quantized(e, 2 * i, h, gen=g, scale=0.3), quantized(e, h, i, gen=g, scale=0.2)
-    a13 = torch.full((e,), float(_in_scale(x))) * torch.tensor([0.5, 1.0, 0.25])
+    a13 = torch.full((e,), float(_in_scale(x))) * torch.tensor([0.5, 1.0, 0.25, 0.5])
     a2 = torch.full((e,), 6.0 / 2688)
-    r = Nvfp4MoE(*w13, a13, *w2, a2, swiglu_limit=LIMIT, backend="reference")
-    impl = sm100_runners.MoE(r)
+    moe = Nvfp4MoE(*w13, a13, *w2, a2, swiglu_limit=LIMIT, backend=EMU)
     monkeypatch.setattr(layout, "COMBINE_CHUNK", 7)  # several combine chunks
-    warm(impl, m)
+    _warm(moe, m)
     for mm in (m, 4):
-        xx = x[:mm] if mm == m else bf16(mm, h, gen=g, scale=2.0)
-        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(mm)]).int()
-        ids[0, 1] = -1
+        xx = x if mm == m else bf16(mm, h, gen=g, scale=2.0)
+        ids = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(mm)]).int()
+        if case == "one_expert":
+            ids[:, 0], ids[:, 1] = 2, -1
+        elif case == "not_local":
+            ids[::2, 1] = -1
         tw = torch.rand(mm, k, generator=g)
         out = torch.full((mm, h), float("nan"), dtype=torch.bfloat16)
         with _no_reserve(monkeypatch):
-            impl(xx, ids, tw, out)
+            moe(xx, ids, tw, out)
         want = reference.nvfp4_moe_ref(xx, ids, tw, *w13, *w2, LIMIT, "nvfp4", a13.max(), a2.max())
         _check_requantized(out, want)
-    # The per-expert a13 differ by 4x: using each expert's own scale instead of the max must show.
     wrong = reference.nvfp4_moe_ref(xx, ids, tw, *w13, *w2, LIMIT, "nvfp4", a13.min(), a2.max())
     x_, y_ = out.double(), wrong.double()
     assert 1 - 2 * (x_ * y_).sum() / (x_ * x_ + y_ * y_).sum() > 2e-3
     mm = m + 1
     with pytest.raises(WorkspaceError, match=r"main/combine\.acc: needs .* reserved"):
-        impl(bf16(mm, h, gen=g), torch.zeros(mm, k, dtype=torch.int32), torch.rand(mm, k),
-             torch.empty(mm, h, dtype=torch.bfloat16))  # fmt: skip
+        moe(bf16(mm, h, gen=g), torch.zeros(mm, k, dtype=torch.int32), torch.rand(mm, k),
+            torch.empty(mm, h, dtype=torch.bfloat16))  # fmt: skip
 
 
-def test_moe_layout_gather_combine_into_workspace() -> None:
+def test_ops_compile_fullgraph_match_eager() -> None:
+    """torch.compile(fullgraph=True) over the four emulated runners' ops (shape-only fakes with
+    the sm100 shapes) gives the eager results bit for bit."""
+    g = fresh_gen()
+    h, i, e = 256, 256, 3
+    lin = Nvfp4Linear(*quantized(128, h, gen=g), input_scale=0.01, backend=EMU)
+    op = Nvfp4GroupedOproj(
+        *quantized(2 * 128, 256, gen=g), input_scale=0.01, n_groups=2, head_dim=128, backend=EMU
+    )
+    mlp = Nvfp4SharedMlp(
+        *quantized(2 * i, h, gen=g), 0.01, *quantized(h, i, gen=g), 0.01, backend=EMU
+    )
+    moe = Nvfp4MoE(
+        *quantized(e, 2 * i, h, gen=g), torch.full((e,), 0.01),
+        *quantized(e, h, i, gen=g), torch.full((e,), 0.01), backend=EMU,
+    )  # fmt: skip
+    for r in (lin, op, mlp, moe):
+        r.warmup(17)
+    cache = torch.randn(64, 64, generator=g)
+
+    def block(x, o, pos, ids, tw):
+        out = torch.empty_like(x)
+        moe(x, ids, tw, out)
+        z = op(o, pos, cache)
+        return lin(x).float().sum(-1) + z.float().sum((1, 2)) + mlp(x).float().sum(-1) + out.sum(-1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager", dynamic=True)
+    for m in (3, 17):
+        args = (bf16(m, h, gen=g), bf16(m, 4, 128, gen=g), torch.randint(0, 64, (m,), generator=g),
+                torch.randint(0, e, (m, 2), generator=g).int(), torch.rand(m, 2, generator=g))  # fmt: skip
+        torch.testing.assert_close(compiled(*args), block(*args), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- the kernel statements
+
+
+def _grouped_case(g: torch.Generator, e: int, n: int, k: int, counts: list[int]):
+    """A grouped A of per-expert segments padded to 128 rows, its offs, and the operands."""
+    rows = sum(formats.round_up(c, 128) for c in counts) + 128  # one tile past offs[-1]
+    x = bf16(rows, k, gen=g)
+    gs = _in_scale(x).reshape(1)
+    q, sf = emulate.expected_quant(x, gs, rows)
+    wp, ws_, _ = quantized(e, n, k, gen=g)
+    w = prepare_weight(wp, ws_)
+    ends = torch.tensor(counts).add(127).div(128, rounding_mode="floor").mul(128).cumsum(0)
+    return x, gs, q, sf, w, ends.to(torch.int32), wp, ws_
+
+
+def test_emulated_grouped_gemm_tiles_and_untouched_rows() -> None:
+    """The sync-free grouped statement against a per-expert host loop written here: each
+    128-row tile belongs to #{e : offs[e] <= its first row} (an empty expert owns none), rows
+    past offs[-1] are never written (they keep their NaN poison), alpha is per expert."""
+    g = fresh_gen()
+    e, n, k = 4, 128, 256
+    counts = [130, 0, 5, 128]
+    x, gs, q, sf, w, offs, wp, ws_ = _grouped_case(g, e, n, k, counts)
+    alpha = torch.rand(e, generator=g) + 0.5
+    out = torch.full((q.shape[0], n), float("nan"), dtype=torch.bfloat16)
+    emulate.emulate_gemm(q, sf, w.w, w.sf, alpha, out[:, :, None], m_a=q.shape[0], k=k, offs=offs)
+    used = int(offs[-1])
+    assert torch.isnan(out[used:].float()).all()
+    xq = formats.dequantize_nvfp4(*formats.quantize_nvfp4(x.float(), gs.reshape(()))[:2], 1.0)
+    start = 0
+    for ex in range(e):
+        end = int(offs[ex])
+        wd = formats.dequantize_nvfp4(wp[ex], ws_[ex], 1.0, torch.float32)
+        want = alpha[ex] * (xq[start:end].float() @ wd.T)
+        torch.testing.assert_close(out[start:end].float(), want, rtol=2**-7, atol=1e-3)
+        start = end
+
+
+def test_launchers_refuse_what_the_kernels_would_misread() -> None:
+    """The kernels address every operand with compact strides from its pointer, read one alpha
+    per batch group, write a grouped output as one group and read one input scale; the launchers
+    refuse anything else before either launch (the emulation's reshape would silently copy a
+    strided operand and compute what the kernel would not)."""
+    g = fresh_gen()
+    k, n, run = 256, 128, emulate.EMULATED
+    x = bf16(200, k, gen=g)
+    q = torch.zeros(256, k // 2, dtype=torch.uint8)
+    sf = torch.zeros(256, k // 16, dtype=torch.uint8)
+    w = prepare_weight(*quantized(2 * n, k, gen=g)[:2])
+    one, two = torch.ones(1), torch.ones(2)
+    out = torch.zeros(200, 2, n, dtype=torch.bfloat16)
+    launchers.quantize_act(x, one, 256, q, sf, kernels=run)  # well-formed calls run
+    launchers.gemm(q, sf, w.w[:n], w.sf[:n], one, out[:, 0, :, None], m_a=256, k=k, kernels=run)
+    with pytest.raises(ValueError, match=r"b: .* strides \(1, 128\), expected a contiguous"):
+        b_strided = w.w[:n].T.contiguous().T
+        launchers.gemm(q, sf, b_strided, w.sf[:n], one, out[:, 0, :, None], m_a=256, k=k)
+    with pytest.raises(ValueError, match=r"a_sf: .* expected .* shape \(256, 16\)"):
+        launchers.gemm(q, sf[:128], w.w[:n], w.sf[:n], one, out[:, 0, :, None], m_a=256, k=k)
+    with pytest.raises(ValueError, match=r"alpha: 1 values, expected one per output group \(2\)"):
+        launchers.gemm(q, sf, w.w, w.sf, one, layout.oproj_out_view(out[:100]), m_a=128, k=k)
+    with pytest.raises(ValueError, match=r"out: 2 groups, a grouped GEMM writes one"):
+        offs = torch.tensor([128, 256], dtype=torch.int32)
+        launchers.gemm(q, sf, w.w, w.sf, two, out.permute(0, 2, 1), m_a=256, k=k, offs=offs)
+    with pytest.raises(ValueError, match=r"gs: .* expected one fp32"):
+        launchers.quantize_act(x, two, 256, q, sf, kernels=run)
+    with pytest.raises(ValueError, match=r"q: .* expected a contiguous"):
+        launchers.quantize_act(x, one, 256, torch.zeros(256, 256, dtype=torch.uint8)[:, :128], sf)
+
+
+def test_layout_helpers_into_workspace() -> None:
     """The workspace forms of the MoE layout helpers equal their allocating forms (poisoned
     workspace, fresh routing with non-local entries)."""
     g = fresh_gen()
@@ -163,6 +295,5 @@ def test_moe_layout_gather_combine_into_workspace() -> None:
 
 
 def test_missing_input_scale_is_refused() -> None:
-    r = Nvfp4Linear(*quantized(256, 512, gen=fresh_gen()), backend="reference")
     with pytest.raises(ValueError, match="input_scale: the sm100 .* needs the static input scale"):
-        sm100_runners.Linear(r)
+        Nvfp4Linear(*quantized(256, 512, gen=fresh_gen()), backend=EMU)

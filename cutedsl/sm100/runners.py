@@ -15,6 +15,11 @@ fp32 combine accumulator) are views of a `cutedsl.workspace` reserved by `warmup
 linear: a private one, DSv4 runs two linears concurrently), fetched per call; a call with more
 rows than warmed up raises `cutedsl.workspace.WorkspaceError`. torch.sort / torch.cumsum of the
 MoE layout allocate inside torch (an index arange, cub scratch), once per MoE call.
+
+`EmulatedLinear`, `EmulatedGroupedOproj`, `EmulatedSharedMlp` and `EmulatedMoE` (the
+`sm100-emulated` backend) are these same classes with `kernels = cutedsl.sm100.emulate.EMULATED`:
+the same weight preparation, workspaces, layouts and launcher checks, each kernel launch replaced
+by its torch statement (which also allocates its own temporaries). Any device, CPU included.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 from cutedsl import formats
 from cutedsl.sm100 import gemm
+from cutedsl.sm100.emulate import EMULATED
 from cutedsl.sm100.layout import TILE_M, oproj_padded_t
 from cutedsl.sm100.weight import interleave_w13, prepare_weight
 from cutedsl.workspace import Workspace, for_role
@@ -41,11 +47,12 @@ def _need(name: str, t: torch.Tensor | None) -> torch.Tensor:
 
 class _Warm:
     limit: float | None = None
+    kernels: gemm.Kernels = gemm.CUTEDSL  # what runs each kernel launch
 
     def warmup(self, max_tokens: int) -> None:
         """Compile every kernel variant (one compile serves every M) and reserve the workspace
         for up to `max_tokens` rows."""
-        gemm.precompile(self.limit)
+        self.kernels.precompile(self.limit)
         self._reserve(max_tokens)
 
     def _reserve(self, max_tokens: int) -> None:
@@ -63,7 +70,9 @@ class Linear(_Warm):
         self.ws = Workspace(r.weight.device, "linear")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm.linear(x.contiguous(), self.w, self.a_scale, self.alpha, ws=self.ws)
+        return gemm.linear(
+            x.contiguous(), self.w, self.a_scale, self.alpha, ws=self.ws, kernels=self.kernels
+        )
 
     def _reserve(self, max_tokens: int) -> None:
         gemm.quant_reserve(self.ws, formats.round_up(max_tokens, TILE_M), self.w.k)
@@ -80,7 +89,7 @@ class GroupedOproj(_Warm):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ws = for_role(self.device, "main")
-        return gemm.grouped(x, self.w, self.a_scale, self.alpha, ws=ws)
+        return gemm.grouped(x, self.w, self.a_scale, self.alpha, ws=ws, kernels=self.kernels)
 
     def _reserve(self, max_tokens: int) -> None:
         rows = self.g * oproj_padded_t(max_tokens)
@@ -110,9 +119,10 @@ class SharedMlp(_Warm):
         ws = for_role(self.device, "shared")
         h = ws.get("h", (x.shape[0], self.w2.k), torch.bfloat16)
         gemm.linear(
-            x.contiguous(), self.w13, self.a13, self.alpha13, swiglu_limit=self.limit, out=h, ws=ws
-        )
-        return gemm.linear(h, self.w2, self.a2, self.alpha2, ws=ws)
+            x.contiguous(), self.w13, self.a13, self.alpha13, swiglu_limit=self.limit, out=h,
+            ws=ws, kernels=self.kernels,
+        )  # fmt: skip
+        return gemm.linear(h, self.w2, self.a2, self.alpha2, ws=ws, kernels=self.kernels)
 
     def _reserve(self, max_tokens: int) -> None:
         ws = for_role(self.device, "shared")
@@ -144,9 +154,29 @@ class MoE(_Warm):
         y = gemm.moe(
             x.contiguous(), topk_ids, topk_weights, self.w13, self.w2, self.a13, self.a2,
             self.alpha13, self.alpha2, self.limit, ws=for_role(self.device, "main"),
+            kernels=self.kernels,
         )  # fmt: skip
         out.copy_(y)
 
     def _reserve(self, max_tokens: int) -> None:
         ws = for_role(self.device, "main")
         gemm.moe_reserve(ws, max_tokens, MAX_TOPK, self.e, self.h, self.i)
+
+
+# --------------------------------------------------------------------------- sm100-emulated
+
+
+class EmulatedLinear(Linear):
+    kernels = EMULATED
+
+
+class EmulatedGroupedOproj(GroupedOproj):
+    kernels = EMULATED
+
+
+class EmulatedSharedMlp(SharedMlp):
+    kernels = EMULATED
+
+
+class EmulatedMoE(MoE):
+    kernels = EMULATED
