@@ -2,27 +2,48 @@
 """One markdown table from bench/upstream_baseline.py result JSONs (vLLM vs the golden reference).
 
     python bench/e2e_table.py bench/results/h200/e2e_*.json [--golden golden|golden_swa_yarn]
-        [--min-cos 0.99]
+        [--min-cos 0.99] [--json OUT]
 
-Rows: checkpoint format x mode x prompt. Columns: prefill cosine (min, mean) and greedy agreement,
-first generated token, decode steps (min cosine, agreement). A last column says whether every
-position meets --min-cos. Exit 1 if a mode failed to run or a row misses the bound.
+Rows: checkpoint format (and the cutedsl backend, when the run named one) x mode x prompt.
+Columns: prefill cosine (min, mean) and greedy agreement, first generated token, decode steps (min
+cosine, agreement). A last column says whether every position meets --min-cos. A run that named a
+backend ($CUTEDSL_BACKEND) fails unless every cutedsl runner of the model ran on it. Exit 1 if a
+mode failed to run or a row misses the bound. --json OUT also writes the rows, each run's
+provenance (command, date, device, versions, checkpoint, runners) and the verdict as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+
+def _label(d: dict, path: str) -> str:
+    fmt = d.get("format") or d.get("checkpoint", {}).get("path", path)
+    return f"{fmt} / {d['backend']}" if d.get("backend") else fmt
+
+
+def _wrong_runners(backend: str | None, runners: dict | None) -> str | None:
+    """Why a mode's cutedsl runners do not show that `backend` ran, or None."""
+    if not backend:
+        return None
+    if not runners:
+        return f"no cutedsl runner recorded for backend {backend}"
+    other = sorted(n for n in runners if n.rsplit(":", 1)[-1] != backend)
+    return f"runners not on {backend}: {', '.join(other)}" if other else None
 
 
 def rows(path: str, golden: str) -> list[dict]:
     d = json.load(open(path))
-    fmt = d.get("format") or d.get("checkpoint", {}).get("path", path)
+    fmt = _label(d, path)
     out = []
     for mode, r in d.get("modes", {}).items():
-        if not r.get("ok"):
-            out.append({"format": fmt, "mode": mode, "error": r.get("error", "did not finish")})
+        wrong = _wrong_runners(d.get("backend"), r.get("cutedsl_runners")) if r.get("ok") else None
+        if not r.get("ok") or wrong:
+            error = wrong or r.get("error", "did not finish")
+            out.append({"format": fmt, "mode": mode, "error": error})
             continue
         for v in r.get("vs_golden", []):
             g = v[golden]
@@ -48,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("files", nargs="+")
     ap.add_argument("--golden", default="golden", choices=("golden", "golden_swa_yarn"))
     ap.add_argument("--min-cos", type=float, default=0.99)
+    ap.add_argument("--json", help="also write rows, provenance and verdict to this file")
     a = ap.parse_args(argv)
     all_rows = [r for f in a.files for r in rows(f, a.golden)]
     print(
@@ -62,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['format']} | {r['mode']} | - | failed: {r['error'][:80]} |||||||")
             continue
         good = min(r["prefill_cos_min"], r["first_cos"], r["decode_cos_min"]) >= a.min_cos
+        r["meets_min_cos"] = good
         ok &= good
         print(
             f"| {r['format']} | {r['mode']} | {r['prompt']} | {r['prefill_cos_min']:.4f} / "
@@ -69,7 +92,21 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['decode_steps']} | {r['decode_cos_min']:.4f} | {r['decode_agree']:.3f} | "
             f"{'yes' if good else 'NO'} |"
         )
-    return 0 if ok and all_rows else 1
+    ok = ok and bool(all_rows)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"golden": a.golden, "min_cos": a.min_cos, "all_ok": ok, "rows": all_rows,
+                       "runs": [_provenance(p) for p in a.files]}, f, indent=1)  # fmt: skip
+    return 0 if ok else 1
+
+
+def _provenance(path: str) -> dict:
+    d = json.load(open(path))
+    keep = ("command", "date", "device", "capability", "torch", "transformers", "format",
+            "backend", "checkpoint")  # fmt: skip
+    modes = {m: {k: r.get(k) for k in ("ok", "vllm", "llm_init_s", "generate_s", "cutedsl_runners")}
+             for m, r in d.get("modes", {}).items()}  # fmt: skip
+    return {"file": os.path.basename(path), **{k: d.get(k) for k in keep}, "modes": modes}
 
 
 if __name__ == "__main__":

@@ -251,6 +251,14 @@ def worker(args) -> dict:
     t0 = time.time()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     res["generate_s"] = round(time.time() - t0, 2)
+
+    def runners(model) -> dict:
+        """Count of the model's cutedsl runners per '<impl class>:<backend>'."""
+        names = [f"{type(r).__name__}:{r.backend}" for m in model.modules()
+                 if (r := getattr(m, "cutedsl_runner", None)) is not None]  # fmt: skip
+        return {n: names.count(n) for n in sorted(set(names))}
+
+    res["cutedsl_runners"] = llm.apply_model(runners)[0]
     dense = []
     for p, o in zip(prompts, outs):
         c = o.outputs[0]
@@ -418,6 +426,7 @@ def main() -> int:
         else None,
         "torch": torch.__version__,
         "format": args.format,
+        "backend": os.environ.get("CUTEDSL_BACKEND"),  # None: the device's default
     }
     try:
         import transformers

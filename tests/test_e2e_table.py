@@ -44,3 +44,35 @@ def test_rows_and_bound(tmp_path: Path, capsys) -> None:
 def test_failed_mode_fails(tmp_path: Path, capsys) -> None:
     rc, out = _run(tmp_path, capsys, _result(0.999, ok=False))
     assert rc == 1 and "failed: boom" in out
+
+
+def test_named_backend_must_have_run(tmp_path: Path, capsys) -> None:
+    """A run that named a backend is labelled with it, and fails unless every cutedsl runner of
+    the model ran on it (a silently different backend would pass the cosine bound)."""
+    res = _result(0.995)
+    res["backend"] = "sm100-emulated"
+    mode = res["modes"]["eager"]
+    mode["cutedsl_runners"] = {"Nvfp4Linear:sm100-emulated": 9, "Nvfp4MoE:sm100-emulated": 4}
+    rc, out = _run(tmp_path, capsys, res)
+    assert rc == 0 and "| nvfp4 / sm100-emulated | eager | 17 |" in out
+    mode["cutedsl_runners"]["Nvfp4MoE:sm90"] = 1
+    rc, out = _run(tmp_path, capsys, res)
+    assert rc == 1 and "runners not on sm100-emulated: Nvfp4MoE:sm90" in out
+    mode["cutedsl_runners"] = {}
+    rc, out = _run(tmp_path, capsys, res)
+    assert rc == 1 and "no cutedsl runner recorded" in out
+
+
+def test_json_output(tmp_path: Path, capsys) -> None:
+    res = _result(0.993)
+    res.update(backend="sm100-emulated", device="NVIDIA H200", date="2026-12-05T00:00:00+00:00")
+    res["modes"]["eager"]["cutedsl_runners"] = {"Nvfp4Linear:sm100-emulated": 1}
+    p, out = tmp_path / "e2e.json", tmp_path / "table.json"
+    p.write_text(json.dumps(res))
+    assert e2e_table.main([str(p), "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["all_ok"] is True and d["rows"][0]["meets_min_cos"] is True
+    run = d["runs"][0]
+    assert (run["file"], run["backend"], run["device"]) == ("e2e.json", "sm100-emulated",
+                                                            "NVIDIA H200")  # fmt: skip
+    assert run["modes"]["eager"]["cutedsl_runners"] == {"Nvfp4Linear:sm100-emulated": 1}
