@@ -36,21 +36,27 @@ from cutedsl.sm90.weight import Weight
 from cutedsl.validate import check_tensor
 
 
-def _build(tile_n: int, tile_m: int, split_k: int, moe: bool) -> object:
+def _build(
+    tile_n: int, tile_m: int, split_k: int, moe: bool, no_jit_engine: bool = False
+) -> object:
     from cutedsl.sm90.kernels.gemm import compile_kernel
 
-    return compile_kernel(tile_n, tile_m, split_k, moe)
+    return compile_kernel(tile_n, tile_m, split_k, moe, no_jit_engine=no_jit_engine)
 
 
 def kernel(tactic: Tactic, moe: bool) -> object:
-    """The compiled kernel of one tactic (compiled on first use; `jit`)."""
+    """The compiled kernel of one tactic (compiled or loaded on first use; `jit`)."""
     return jit.compiled(_build, tactic.tile_n, tactic.tile_m, tactic.split_k, moe)
 
 
+def jobs(tactics: Iterable[tuple[Tactic, bool]]) -> list[jit.Job]:
+    """The `jit.Job` of each (tactic, moe) variant, in a stable order."""
+    return [jit.Job(_build, (t.tile_n, t.tile_m, t.split_k, moe)) for t, moe in sorted(tactics)]
+
+
 def precompile(tactics: Iterable[tuple[Tactic, bool]]) -> None:
-    """Compile (tactic, moe) variants before CUDA-graph capture."""
-    for tactic, moe in tactics:
-        kernel(tactic, moe)
+    """Compile (or load) (tactic, moe) variants before CUDA-graph capture."""
+    jit.ensure(jobs(tactics))
 
 
 def _check_a(a: torch.Tensor, ndim: int, k: int) -> None:

@@ -18,10 +18,17 @@ from cutedsl.workspace import Workspace
 MAX_E = 1024
 
 
-def _build(name: str) -> object:
+def _build(name: str, no_jit_engine: bool = False) -> object:
     from cutedsl.sm90.kernels import moe_routing
 
-    return moe_routing.compile_route() if name == "route" else moe_routing.compile_combine()
+    if name == "route":
+        return moe_routing.compile_route(no_jit_engine=no_jit_engine)
+    return moe_routing.compile_combine(no_jit_engine=no_jit_engine)
+
+
+def jobs() -> list[jit.Job]:
+    """The `jit.Job`s of the route and combine kernels."""
+    return [jit.Job(_build, ("route",)), jit.Job(_build, ("combine",))]
 
 
 def _kernel(name: str) -> object:
@@ -32,8 +39,7 @@ def _kernel(name: str) -> object:
 
 def precompile() -> None:
     """Compile the route and combine kernels (before CUDA-graph capture; GPU processes only)."""
-    _kernel("route")
-    _kernel("combine")
+    jit.ensure(jobs())
 
 
 def route_reserve(ws: Workspace, rows: int, e: int) -> None:

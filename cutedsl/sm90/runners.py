@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from cutedsl import jit
 from cutedsl.sm90 import gemm, routing, swiglu
-from cutedsl.sm90.tactics import Tactic, gpu_spec, launch_tactic
-from cutedsl.sm90.weight import Weight, prepare_weight
+from cutedsl.sm90.tactics import GpuSpec, Tactic, gpu_spec, reachable_tactics
+from cutedsl.sm90.weight import prepare_weight
 from cutedsl.workspace import Workspace, for_role
 
 # Rows per chunk of the CPU SwiGLU's fp32 scratch (bounds it to 2 x CHUNK x I fp32 whatever the
@@ -36,13 +37,48 @@ CHUNK = 4096
 MAX_TOPK = 8
 
 
-def _tactics(
-    wp: Weight, max_rows: int, moe: bool, device: torch.device
+def gemm_tactics(
+    n: int, k: int, groups: int, moe: bool, max_rows: int, spec: GpuSpec
 ) -> set[tuple[Tactic, bool]]:
-    spec = gpu_spec(device)
-    return {
-        (launch_tactic(m, wp.n, wp.k, wp.groups, moe, spec), moe) for m in range(1, max_rows + 1)
-    }
+    """(tactic, moe) for every tactic a launch of 1..max_rows rows of an N x K weight with
+    `groups` groups can take on `spec` (`tactics.reachable_tactics`)."""
+    return {(t, moe) for t in reachable_tactics(n, k, groups, moe, max_rows, spec)}
+
+
+def shared_mlp_tactics(h: int, i: int, max_tokens: int, spec: GpuSpec) -> set[tuple[Tactic, bool]]:
+    """The GEMM variants of a `SharedMlp` (hidden size h, intermediate size i)."""
+    return gemm_tactics(2 * i, h, 1, False, max_tokens, spec) | gemm_tactics(
+        h, i, 1, False, max_tokens, spec
+    )
+
+
+def moe_tactics(e: int, h: int, i: int, max_tokens: int, spec: GpuSpec) -> set[tuple[Tactic, bool]]:
+    """The GEMM variants of a `MoE` of e local experts (routed rows up to max_tokens * MAX_TOPK)."""
+    rows = max_tokens * MAX_TOPK
+    return gemm_tactics(2 * i, h, e, True, rows, spec) | gemm_tactics(h, i, e, True, rows, spec)
+
+
+# What each implementation's warmup(max_tokens) compiles on a CUDA device of `spec`, as jobs for
+# `jit.prefetch` (the vLLM adapters start them before the weights load; `cutedsl.vllm.prefetch`).
+
+
+def linear_jobs(n: int, k: int, groups: int, max_tokens: int, spec: GpuSpec) -> list[jit.Job]:
+    """`Linear` (groups=1) or `GroupedOproj` (groups=G, N rows per group) of an N x K weight."""
+    return gemm.jobs(gemm_tactics(n, k, groups, False, max_tokens, spec))
+
+
+def shared_mlp_jobs(
+    h: int, i: int, limit: float | None, max_tokens: int, spec: GpuSpec
+) -> list[jit.Job]:
+    """`SharedMlp`: its GEMMs and the clamped SwiGLU."""
+    return gemm.jobs(shared_mlp_tactics(h, i, max_tokens, spec)) + [swiglu.job(limit)]
+
+
+def moe_jobs(
+    e: int, h: int, i: int, limit: float | None, max_tokens: int, spec: GpuSpec
+) -> list[jit.Job]:
+    """`MoE`: its GEMMs, the routing kernels and the clamped SwiGLU."""
+    return gemm.jobs(moe_tactics(e, h, i, max_tokens, spec)) + routing.jobs() + [swiglu.job(limit)]
 
 
 def _mlp_reserve(ws: Workspace, rows: int, i: int) -> None:
@@ -70,7 +106,8 @@ class Linear:
         return gemm.linear(x.contiguous(), self.wp)
 
     def warmup(self, max_tokens: int) -> None:
-        gemm.precompile(sorted(_tactics(self.wp, max_tokens, False, self.device)))
+        wp = self.wp
+        gemm.precompile(gemm_tactics(wp.n, wp.k, 1, False, max_tokens, gpu_spec(self.device)))
 
 
 class GroupedOproj:
@@ -90,7 +127,9 @@ class GroupedOproj:
         return out
 
     def warmup(self, max_tokens: int) -> None:
-        gemm.precompile(sorted(_tactics(self.wp, max_tokens, False, self.device)))
+        wp = self.wp
+        spec = gpu_spec(self.device)
+        gemm.precompile(gemm_tactics(wp.n, wp.k, wp.groups, False, max_tokens, spec))
         ws = for_role(self.device, "main")
         g, t = self.wp.groups, max_tokens
         ws.reserve("a", (g, t, self.wp.k), torch.bfloat16)
@@ -112,8 +151,8 @@ class SharedMlp:
         return gemm.linear(s, self.wp2)  # the op's result
 
     def warmup(self, max_tokens: int) -> None:
-        t = _tactics(self.wp13, max_tokens, False, self.device)
-        gemm.precompile(sorted(t | _tactics(self.wp2, max_tokens, False, self.device)))
+        spec = gpu_spec(self.device)
+        gemm.precompile(shared_mlp_tactics(self.wp13.k, self.wp2.k, max_tokens, spec))
         if self.device.type == "cuda":
             swiglu.kernel(self.limit)
         ws = for_role(self.device, "shared")
@@ -152,10 +191,8 @@ class MoE:
             out.copy_(res)
 
     def warmup(self, max_tokens: int) -> None:
-        t = set()
-        for wp in (self.wp13, self.wp2):
-            t |= _tactics(wp, max_tokens * MAX_TOPK, True, self.device)
-        gemm.precompile(sorted(t))
+        spec = gpu_spec(self.device)
+        gemm.precompile(moe_tactics(self.e, self.wp13.k, self.wp2.k, max_tokens, spec))
         if self.device.type == "cuda":
             routing.precompile()
             swiglu.kernel(self.limit)

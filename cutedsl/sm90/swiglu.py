@@ -41,10 +41,15 @@ def swiglu_clamp_bf16(
     return out
 
 
-def _build(limit: float | None) -> object:
+def _build(limit: float | None, no_jit_engine: bool = False) -> object:
     from cutedsl.sm90.kernels.swiglu import compile_swiglu
 
-    return compile_swiglu(limit)
+    return compile_swiglu(limit, no_jit_engine=no_jit_engine)
+
+
+def job(limit: float | None) -> jit.Job:
+    """The `jit.Job` of `kernel(limit)`."""
+    return jit.Job(_build, (limit,))
 
 
 def kernel(limit: float | None) -> object:

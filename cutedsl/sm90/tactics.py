@@ -157,6 +157,34 @@ def launch_tactic(m: int, n: int, k: int, groups: int, moe: bool, spec: GpuSpec)
     return t
 
 
+def _interval_starts(
+    n: int, k: int, groups: int, moe: bool, max_rows: int, spec: GpuSpec
+) -> set[int]:
+    """The first row count of each interval of 1..max_rows on which `launch_tactic` is constant.
+    Dense / grouped: every m <= 256 (the token-tile thresholds 16 / 32 / 64 / 128 / 256), then one
+    m per 256-row tile count (the split-K rule reads the CTA count), and each tuned-table bucket's
+    end + 1. MoE: every m <= groups (the 64-row rule reads min(E, m)), then the m where the sizing
+    2 * ceil(m / E) crosses a token tile (16 / 32 / 64 / 128)."""
+    if moe:
+        starts = set(range(1, groups + 1)) | {groups * t // 2 + 1 for t in (16, 32, 64, 128)}
+    else:
+        starts = set(range(1, 257)) | set(range(257, max_rows + 1, 256))
+        starts |= {m + 1 for m, _ in tuned_table(spec).get((n, k, groups), ())}
+    return {m for m in starts if 1 <= m <= max_rows}
+
+
+def reachable_tactics(
+    n: int, k: int, groups: int, moe: bool, max_rows: int, spec: GpuSpec
+) -> frozenset[Tactic]:
+    """Every tactic `launch_tactic` returns for some 1 <= m <= max_rows on `spec`: what a
+    warm-up must compile so that no launch of up to max_rows rows compiles (tests/test_tactics.py
+    checks it against every m)."""
+    if max_rows < 1:
+        return frozenset()
+    starts = _interval_starts(n, k, groups, moe, max_rows, spec)
+    return frozenset(launch_tactic(m, n, k, groups, moe, spec) for m in starts)
+
+
 def moe_tile_bound(rows: int, experts: int, tile_m: int) -> int:
     """The MoE kernel's grid.y: an upper bound on sum_e ceil(rows_e / tile_m) over any routing
     of `rows` rows to `experts` experts (each expert with rows adds at most one partial tile)."""
