@@ -7,15 +7,17 @@ elements, fp32 accumulation in TMEM, bf16 out), optionally with the fused clampe
 Modules:
 - `weight`:  `Weight` / `prepare_weight` (blocked scales), `interleave_w13` (pure torch)
 - `layout`:  the o-projection and MoE row layouts, gather and combine (pure torch)
-- `emulate`: the kernels' contracts as torch statements (pure torch)
+- `emulate`: the kernels' contracts as torch statements (pure torch), and `EMULATED`, the
+             launches of the `sm100-emulated` backend
 - `gemm`:    the GPU launchers (`quantize_act`, `gemm`) and the runner steps (`linear`,
              `grouped`, `moe`), `precompile`
 - `runners`: the implementation classes of the public runners (`Linear`, `GroupedOproj`,
-             `SharedMlp`, `MoE`)
+             `SharedMlp`, `MoE`, and their `Emulated*` twins)
 - `kernels`: the CuTeDSL device code (`kernels.gemm`, `kernels.quant`)
 
 Status: never run on a GPU by us. The kernels are compiled for sm_100a without a GPU
 (`python -m cutedsl.tools.check_kernels --only sm100`) and the host side is tested on a CPU with
-the kernels replaced by their torch statements. Importing this package (or any module above but
+the kernels replaced by their torch statements (the `sm100-emulated` backend, which also runs on
+any CUDA GPU). Importing this package (or any module above but
 `kernels`) does not import `cutlass`.
 """
