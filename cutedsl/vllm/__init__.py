@@ -8,4 +8,5 @@ Imported only inside a vLLM process (they import vLLM); the math lives in the ru
   moe_experts  `CuTeDSLMoEExperts` (a `FusedMoEExpertsModular`) + its `FusedMoEMethod`
   names        HF-transformers / ModelOpt tensor names -> DeepSeek native names (mapper rules)
   checks       loading: name the tensor behind a loader error; fail on missing NVFP4 tensors
+  prefetch     our kernels compiled in background processes while the weights load
 """

@@ -10,6 +10,8 @@ models (default_loader.py: only when `quantization is None`), so a missing NVFP4
 silently leave `torch.empty` memory; for models with our methods `checked_load` raises a
 ValueError naming every missing parameter (and, for routed experts, which it tracks per expert,
 every missing checkpoint tensor). FP8 / MXFP4 / BF16 models get only the note (upstream otherwise).
+Before the first tensor is read, models with our methods start compiling their kernels in the
+background (`cutedsl.vllm.prefetch`), so the compiles overlap the weight loading.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import regex as re
 import torch
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
+from cutedsl.vllm import prefetch
 from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod
 from cutedsl.vllm.moe_experts import CuTeDSLModelOptNvFp4FusedMoE
 from cutedsl.vllm.names import HF_TO_NATIVE_REGEX
@@ -83,7 +86,11 @@ def checked_load(
     weights: Iterable[tuple[str, torch.Tensor]],
     mapper: WeightsMapper,
 ) -> set[str]:
-    """`loader.load_weights(weights, mapper=mapper)` with the checks of the module docstring."""
+    """`loader.load_weights(weights, mapper=mapper)` with the checks of the module docstring; for
+    models with our methods, our kernels start compiling first (`cutedsl.vllm.prefetch`), in
+    background processes, while the weights load."""
+    if _uses_ours(model):
+        prefetch.start(model)
     tracked = _Tracked(weights)
     try:
         loaded = loader.load_weights(tracked, mapper=mapper)
