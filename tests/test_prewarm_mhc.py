@@ -104,3 +104,81 @@ def test_serve_script_prewarms_before_vllm_serve() -> None:
     text = (REPO / "scripts" / "serve.sh").read_text()
     assert text.index("cutedsl.tools.prewarm_mhc") < text.index("vllm.entrypoints.cli.main serve")
     assert "PREWARM_MHC:-1" in text
+
+
+# --------------------------------------------------------------------------- the fast path
+
+
+def _tilelang_entry(root: Path, key: str) -> None:
+    (root / key).mkdir(parents=True)
+    for f in pw.TILELANG_ENTRY_FILES:
+        (root / key / f).write_bytes(b"x")
+
+
+def _tiny_model(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "hidden_size": 64}))
+    return model
+
+
+def test_stamp_round_trip_and_every_way_it_goes_stale(tmp_path: Path) -> None:
+    cache, root = tmp_path / "tl", tmp_path / "tl" / "0.1.9-x86_64" / "kernels"
+    cfg = {"hidden_size": 64, "hc_mult": 4}
+    fp = pw.fingerprint(cfg, ("NVIDIA H200", 132))
+    assert pw.cached_everything(cache, fp) == (False, "no stamp of a previous prewarm")
+    for k in ("k1", "k2", "k3"):
+        _tilelang_entry(root, k)
+    assert pw.write_stamp(cache, fp, [(str(root), ["k1", "k2"]), (str(root), ["k2", "k3"])])
+    ok, what = pw.cached_everything(cache, fp)
+    assert ok and what.startswith("3 kernels")
+    # another GPU (SM count), another config: another stamp
+    assert not pw.cached_everything(cache, pw.fingerprint(cfg, ("NVIDIA H200", 16)))[0]
+    assert not pw.cached_everything(
+        cache, pw.fingerprint({**cfg, "hc_mult": 2}, ("NVIDIA H200", 132))
+    )[0]
+    # an entry that lost a file (TileLang would recompile it)
+    (root / "k2" / "kernel_lib.so").unlink()
+    ok, why = pw.cached_everything(cache, fp)
+    assert not ok and "1 of 3 kernels no longer" in why
+    pw.stamp_path(cache, fp).write_text("{")
+    assert "unreadable" in pw.cached_everything(cache, fp)[1]
+
+
+def test_no_stamp_when_a_worker_could_not_report(tmp_path: Path) -> None:
+    fp = pw.fingerprint({"hidden_size": 64}, ("g", 1))
+    assert pw.write_stamp(tmp_path, fp, [("r", ["k"]), None]) is None
+    assert pw.write_stamp(tmp_path, fp, []) is None
+    assert not pw.stamp_path(tmp_path, fp).exists()
+
+
+def test_fast_path_spawns_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Everything in the TileLang cache: no worker process, no vLLM call, exit 0."""
+    import types
+
+    import torch
+
+    model = _tiny_model(tmp_path)
+    cache = tmp_path / "tl"
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    props = types.SimpleNamespace(name="NVIDIA H200", multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+
+    def forbidden(*a, **k):
+        raise AssertionError("the fast path must not start workers or call vLLM")
+
+    monkeypatch.setattr(pw.mp, "get_context", forbidden)
+    monkeypatch.setattr(pw, "_vllm_num_split", forbidden)
+    fp = pw.fingerprint(pw.mhc_config(model), ("NVIDIA H200", 132))
+    root = cache / "ns" / "kernels"
+    _tilelang_entry(root, "k1")
+    pw.write_stamp(cache, fp, [(str(root), ["k1"])])
+    out_json = tmp_path / "out.json"
+    assert pw.main([str(model), "--json", str(out_json)]) == 0
+    assert "nothing to do, 1 kernels" in capsys.readouterr().out
+    assert json.loads(out_json.read_text())["cached"] is True
+    # once an entry is gone, the full prewarm runs (here: reaches the forbidden worker start)
+    (root / "k1" / "params.pkl").unlink()
+    assert pw.main([str(model)]) != 0

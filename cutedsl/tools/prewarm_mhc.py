@@ -18,10 +18,20 @@ path (1 and 8 tokens); the kernel arguments (hidden size, hc_mult, the epsilons,
 iterations) from the checkpoint's config.json, as the model passes them. It calls the registered
 vLLM ops (torch.ops.vllm.mhc_pre, mhc_fused_post_pre, mhc_post, hc_head_fused_kernel) on random
 inputs: nothing of vLLM is patched. Needs a CUDA GPU. Exit status 0 when every call ran.
+
+Fast path: after a run in which every call succeeded, a stamp
+(`<TILELANG_CACHE_DIR>/cutedsl-prewarm-mhc/<fingerprint>.json`) lists the TileLang cache entries
+the workers compiled or loaded (TileLang's in-memory cache keys). The fingerprint is everything
+that decides which kernels are needed (the mHC arguments, the GPU's name and SM count, the vLLM,
+TileLang and torch versions). When the stamp of this fingerprint exists and every entry it lists
+is still a complete TileLang cache folder, the prewarm stops there: no worker process, no vLLM
+import, no kernel load. Anything else (no stamp, a missing or incomplete entry, an unreadable
+stamp) runs the full prewarm, which writes a new stamp.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import multiprocessing as mp
@@ -135,12 +145,84 @@ def _run_counts(cfg: dict, counts: list[int], done: mp.Queue | None) -> None:
             done.put(t)
 
 
-def _worker(cfg: dict, counts: list[int], done: mp.Queue, errors: mp.Queue) -> None:
+def _tilelang_cache_keys() -> tuple[str, list[str]] | None:
+    """(TileLang's kernel cache folder, the keys of every kernel this process compiled or
+    loaded), or None when this TileLang does not expose them."""
+    try:
+        from tilelang.cache.kernel_cache import KernelCache
+
+        return KernelCache._get_cache_root(), sorted(KernelCache()._memory_cache)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _worker(cfg: dict, counts: list[int], done: mp.Queue, errors: mp.Queue, used: mp.Queue) -> None:
     try:
         _run_counts(cfg, counts, done)
+        used.put(_tilelang_cache_keys())
     except BaseException as e:  # reported by the parent (the counts not yet done name the failure)
         errors.put(f"{type(e).__name__}: {e} (this worker's token counts: {counts})"[:2000])
         raise SystemExit(1) from None
+
+
+STAMP_DIR = "cutedsl-prewarm-mhc"
+# A complete TileLang cache entry (tilelang 0.1.9 KernelCache._get_complete_cache_files).
+TILELANG_ENTRY_FILES = ("device_kernel.cu", "host_kernel.cu", "kernel_lib.so", "params.pkl")
+
+
+def fingerprint(cfg: dict, gpu: tuple[str, int]) -> dict:
+    """What decides the mHC kernels a server needs: the checkpoint's mHC arguments, the GPU
+    (name, SM count: vLLM's split count reads the SM count) and the versions of vLLM, TileLang and
+    torch (read from the installed metadata: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "none"
+
+    return {"config": cfg, "gpu": list(gpu),
+            "versions": {d: ver(d) for d in ("vllm", "tilelang", "torch")}}  # fmt: skip
+
+
+def stamp_path(cache: str | Path, fp: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:32]
+    return Path(cache) / STAMP_DIR / f"{digest}.json"
+
+
+def cached_everything(cache: str | Path, fp: dict) -> tuple[bool, str]:
+    """(True, what) when the stamp of `fp` lists only complete TileLang entries; else (False,
+    why not)."""
+    path = stamp_path(cache, fp)
+    try:
+        stamp = json.loads(path.read_text())
+        root, keys = Path(stamp["cache_root"]), stamp["kernels"]
+        if stamp["fingerprint"] != fp or not isinstance(keys, list) or not keys:
+            return False, f"{path} is of another configuration"
+    except FileNotFoundError:
+        return False, "no stamp of a previous prewarm"
+    except (ValueError, KeyError, TypeError) as e:
+        return False, f"{path} unreadable ({type(e).__name__})"
+    missing = [k for k in keys if not all((root / k / f).is_file() for f in TILELANG_ENTRY_FILES)]
+    if missing:
+        return False, f"{len(missing)} of {len(keys)} kernels no longer in {root}"
+    return True, f"{len(keys)} kernels in {root}"
+
+
+def write_stamp(cache: str | Path, fp: dict, used: list) -> Path | None:
+    """Record the kernels the workers used (atomically: a temporary file renamed into place)."""
+    roots = {u[0] for u in used if u}
+    if not used or any(u is None for u in used) or len(roots) != 1:
+        return None
+    keys = sorted({k for _, ks in used for k in ks})
+    path = stamp_path(cache, fp)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"fingerprint": fp, "cache_root": roots.pop(), "kernels": keys},
+                              indent=1))  # fmt: skip
+    os.replace(tmp, path)
+    return path
 
 
 def split_work(counts: list[int], workers: int) -> list[list[int]]:
@@ -178,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     return cli.run(ap.prog, lambda: _main(a), a.debug)
 
 
+def _write_json(path: str, doc: dict) -> None:
+    Path(path).write_text(json.dumps(doc, indent=2))
+
+
 def _main(a) -> int:
     if a.json:
         parent = Path(a.json).resolve().parent
@@ -191,9 +277,19 @@ def _main(a) -> int:
 
     if not torch.cuda.is_available():
         raise UsageError("no CUDA GPU is visible (the kernels compile for it)")
+    cache = os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    fp = fingerprint(cfg, (props.name, props.multi_processor_count))
+    ready, what = cached_everything(cache, fp)
+    if ready:
+        print(f"prewarm_mhc: nothing to do, {what} (stamp {stamp_path(cache, fp)})", flush=True)
+        if a.json:
+            _write_json(a.json, {"config": cfg, "cached": True, "seconds": 0.0, "ok": True,
+                                 "errors": []})  # fmt: skip
+        return 0
+    print(f"prewarm_mhc: compiling or loading ({what})", flush=True)
     counts = token_counts(_vllm_num_split(cfg["hc_mult"] * cfg["hidden_size"]))
     parts = split_work(counts, a.workers)
-    cache = os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
     print(
         f"prewarm_mhc: {len(counts)} token counts {counts} in {len(parts)} processes "
         f"(hidden {cfg['hidden_size']}, hc_mult {cfg['hc_mult']}; TileLang cache {cache})",
@@ -203,8 +299,8 @@ def _main(a) -> int:
 
     t0 = time.monotonic()
     ctx = mp.get_context("spawn")
-    done, errors = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(cfg, p, done, errors)) for p in parts]
+    done, errors, used_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(cfg, p, done, errors, used_q)) for p in parts]
     finished = 0
     timed_out = False
     try:
@@ -228,6 +324,15 @@ def _main(a) -> int:
             if p.is_alive():
                 p.terminate()
         raise
+    used = []
+    if not timed_out:  # each worker reports its keys before it exits (read before join)
+        for p in procs:
+            while p.is_alive() or not used_q.empty():
+                try:
+                    used.append(used_q.get(timeout=1.0))
+                    break
+                except queue.Empty:
+                    continue
     for p in procs:
         if timed_out:
             p.terminate()
@@ -239,20 +344,14 @@ def _main(a) -> int:
     if timed_out:
         failed.append(f"timed out after {a.timeout:.0f} s with {finished} of {len(counts)} done")
     seconds = round(time.monotonic() - t0, 1)
+    stamp = None if failed else write_stamp(cache, fp, used)
     if a.json:
-        Path(a.json).write_text(
-            json.dumps(
-                {
-                    "config": cfg,
-                    "token_counts": counts,
-                    "workers": len(parts),
-                    "seconds": seconds,
-                    "ok": not failed,
-                    "errors": failed,
-                },
-                indent=2,
-            )
-        )
+        _write_json(a.json, {"config": cfg, "cached": False, "token_counts": counts,
+                             "workers": len(parts), "seconds": seconds, "ok": not failed,
+                             "errors": failed, "stamp": str(stamp) if stamp else None})  # fmt: skip
+    if not failed and stamp is None:
+        print("prewarm_mhc: warning: TileLang's cache keys were not readable; no stamp written "
+              "(the next start runs the full prewarm again)", file=sys.stderr)  # fmt: skip
     if failed:
         for f in failed:
             print(f"prewarm_mhc: error: {f}", file=sys.stderr)
