@@ -2,8 +2,9 @@
 #   docker build -t dsv4-nvfp4-cutedsl:vllm0.21.0 .     (or: make build)
 #   docker run --gpus all --ipc=host -p 8000:8000 -v /path/to/ckpt:/model:ro -e MODEL=/model IMAGE
 # Without MODEL the image generates and serves the tiny full-NVFP4 checkpoint. Each start first
-# compiles vLLM's mHC TileLang kernels (~90 s) unless /root/.tilelang is a kept volume; vLLM's
-# torch.compile and DeepGEMM caches live in /root/.cache/vllm (make run keeps both as volumes).
+# compiles vLLM's mHC TileLang kernels (~90 s) unless /root/.tilelang is a kept volume, and our
+# CuTeDSL kernels unless /root/.cache/cutedsl is; vLLM's torch.compile and DeepGEMM caches live in
+# /root/.cache/vllm (make run keeps all three as volumes).
 # The base tag must equal the vllm pin in requirements.txt (tests/test_foundation.py checks it):
 # the overlay replaces two files of exactly that release.
 FROM vllm/vllm-openai:v0.21.0
@@ -18,6 +19,8 @@ COPY . .
 # DeepSeek V4 files; the build fails if the script refuses (vLLM version or pristine hash mismatch).
 RUN PYTHON=python3 bash apply_patches.sh && PYTHON=python3 bash apply_patches.sh --check
 
-ENV PYTHON=python3 PORT=8000
+# The compiled CuTeDSL kernels (cutedsl/jit.py): keep this folder in a volume so a restart loads
+# them instead of compiling.
+ENV PYTHON=python3 PORT=8000 CUTEDSL_CACHE_DIR=/root/.cache/cutedsl
 EXPOSE 8000
 ENTRYPOINT ["bash", "/opt/dsv4-nvfp4/scripts/serve.sh"]

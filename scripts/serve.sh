@@ -8,7 +8,9 @@
 # Environment: PYTHON (default python3), PORT (8000), VLLM_EXTRA_ARGS (more flags, word-split),
 # TENSOR_PARALLEL_SIZE (1), PREWARM_MHC=0 (do not compile vLLM's mHC kernels first),
 # SERVE_UPSTREAM=1 (serve pristine vLLM for comparisons: the overlay must not be applied; nothing
-# is changed).
+# is changed), CUTEDSL_CACHE_DIR (our compiled kernels, default ~/.cache/cutedsl: a restart loads
+# them; they compile in background processes while the weights load, CUTEDSL_COMPILE_WORKERS of
+# them), TILELANG_CACHE_DIR (vLLM's mHC kernels, default ~/.tilelang/cache).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}

@@ -395,3 +395,10 @@ def test_a_failed_worker_falls_back_to_compiling_here(
 
 def _unimportable_build(x: int) -> object:
     return ("built", x)
+
+
+def test_docker_and_make_run_keep_the_cache_in_a_volume() -> None:
+    docker = (REPO / "Dockerfile").read_text()
+    make = (REPO / "Makefile").read_text()
+    assert "CUTEDSL_CACHE_DIR=/root/.cache/cutedsl" in docker
+    assert "-v dsv4-cutedsl-cache:/root/.cache/cutedsl" in make
