@@ -1,0 +1,374 @@
+"""The published NVFP4 DeepSeek V4 checkpoint layouts the tiny generator writes and the converter
+reads: names, dtypes, shapes, config keys, the index file, the MTP block.
+
+Sources (what each layout in cutedsl/tools/schema.py rests on; "not found" is said where it is so)
+-----------------------------------------------------------------------------------------------
+nvidia/DeepSeek-V4-Flash-NVFP4, nvidia/DeepSeek-V4-Pro-NVFP4 (format `nvidia-mixed`)
+  - Model cards (huggingface.co/nvidia/DeepSeek-V4-Flash-NVFP4, README.md via the search index):
+    ModelOpt, base deepseek-ai/DeepSeek-V4-Flash, released 2026-05-28; tags NVFP4 + fp8.
+  - The exporter NVIDIA documents for these checkpoints: github.com/NVIDIA/Model-Optimizer,
+    examples/deepseek/README.md ("DeepSeek V4 routed-expert NVFP4": only the routed experts are
+    NVFP4 W4A4; attention, router gate, shared experts, embeddings and LM head keep their native
+    formats) and examples/deepseek/deepseek_v4/quantize_to_nvfp4.py (read at commit 0fd7b4c4):
+      * keeps DeepSeek's native names and 64-shard layout; routed experts matching
+        `^(?:mtp\\.\\d+|layers\\.\\d+)\\.ffn\\.experts\\.\\d+\\.w[123]\\.weight$` (the MTP block's
+        experts too) become `.weight` u8 (out, in//2), `.weight_scale` E4M3 (out, in//16),
+        `.weight_scale_2` f32 0-d (= amax / (6*448)), `.input_scale` f32 0-d; the MXFP4 `.scale`
+        sibling is dropped; w1/w3 share one weight amax and one input amax;
+      * config.json: the source quantization_config with quant_method "fp8",
+        activation_scheme "dynamic" (setdefault), weight_block_size [128, 128] (setdefault) and
+        "moe_quant_algo": "NVFP4" added; written with sort_keys;
+      * hf_quant_config.json: {"producer": {"name": "modelopt", "version":
+        "dsv4-nvfp4-experts"}, "quantization": {"quant_algo": "MIXED_PRECISION",
+        "kv_cache_quant_algo": null, "group_size": 16, "quantized_layers": {<expert path>:
+        {"quant_algo": "NVFP4", "group_size": 16}}, "exclude_modules": [...14 patterns...]}};
+      * model.safetensors.index.json: the source's, `.scale` keys removed, the three new keys
+        added, "metadata" copied from the source.
+  - NOT found: the published config.json, hf_quant_config.json and index of either repository
+    (no Hugging Face file is in the search corpora). What the files hold is inferred from the
+    exporter above; the producer "version" string and any later edit by NVIDIA are unverified.
+    vLLM 0.21.0 reads hf_quant_config.json only when config.json has no quantization_config
+    (vllm/transformers_utils/config.py:780-792), so config.json decides: DeepseekV4FP8Config.
+  - DeepSeek's own quantization_config (quant_method fp8, activation_scheme dynamic, fmt e4m3,
+    scale_fmt ue8m0, weight_block_size [128, 128]) and compress_ratios with one trailing entry
+    for the MTP layer: /work/shared/research/vllm021_dsv4.md section 4 and
+    canada-quant/dsv4-flash-nvfp4-fp8-mtp vendor/dsv4-upstream/config.json (a copy of
+    deepseek-ai/DeepSeek-V4-Flash inference/config.json: n_layers 43, n_hash_layers 3,
+    44 compress_ratios ending in 0).
+
+RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 and its MTP variant (format `ct-nvfp4-fp8`)
+  - The recipe: github.com/vllm-project/llm-compressor examples/quantizing_moe/
+    deepseek_v4_example.py and docs/key-models/deepseek-v4/ (FP8_BLOCK on attention
+    q_a/q_b/kv/o_a/o_b projections, NVFP4 on MoE projections; docs/key-models/deepseek-v4/index.md
+    names RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 as its pre-quantized checkpoint) and
+    fix_dsv4_structure.py (branch commits 92a9f321, 3271745d, 156aa294) renaming HF module names
+    to DeepSeek's flat ones.
+  - The MTP variant: canada-quant/DeepSeek-V4-Flash-NVFP4-FP8-MTP (model card, and its repository
+    github.com/canada-quant/dsv4-flash-nvfp4-fp8-mtp): "same quantization scheme as
+    RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8: NVFP4 (group=16, FP8 e4m3 scales) on routed FFN
+    experts, FP8_BLOCK 128x128 on attention"; "MTP block (mtp.0.*, 799 tensors) kept at BF16";
+    Red Hat's artifact has no mtp.* tensors (transformers' `_keys_to_ignore_on_load_unexpected`
+    drops them). Its docs/recipes/nvfp4_fp8_mtp_replication.md section 5 gives the recipe:
+    group_0 targets `re:.*attn\\.(wq_a|wq_b|wkv|wo_a|wo_b)$` FP8 block [128, 128], weight only
+    (input_activations None, "matches RedHat"), format float-quantized; group_1 targets
+    `re:.*ffn\\.experts\\.\\d+\\.(gate_proj|up_proj|down_proj)$` NVFP4 tensor_group 16, input
+    activations dynamic "local", format nvfp4-pack-quantized; ignore lm_head, embed_tokens, norms,
+    router gate, q_norm, k_norm, `re:.*mtp\\..*`. So indexer.wq_b, the compressors and the shared
+    experts stay BF16 (a pasta-paul/dsv4-flash-w4a16-fp8 note also says Red Hat's shared experts
+    are BF16; llm-compressor's example targets them with NVFP4: conflicting, BF16 chosen here).
+    Its scripts: squeeze_global_scales.py (llm-compressor writes weight_global_scale and
+    input_global_scale as shape (1,); the published MTP variant squeezes them to 0-d),
+    convert_attn_scales_for_vllm.py ("llm-compressor's FP8_BLOCK preset saves attn .weight_scale
+    as bfloat16"), postprocess_for_vllm.py (mtp.0.embed.weight -> mtp.0.emb.tok_emb.weight;
+    scale_fmt "ue8m0" injected because Red Hat's config.json has none).
+  - Names: "their model.safetensors.index.json uses exactly the flat native names vLLM expects"
+    (pasta-paul/dsv4-flash-w4a16-fp8, notes on vLLM PR #41276); compressed-tensors leaves
+    weight_packed, weight_scale, weight_global_scale, input_global_scale (a third-party key
+    conversion document in the code index lists exactly these for DSv4 experts).
+  - Global scales are divisors: vLLM 0.21.0 compressed_tensors/schemes/
+    compressed_tensors_w4a4_nvfp4.py process_weights_after_loading takes 1 / weight_global_scale
+    and 1 / input_global_scale ("CT stores as divisors").
+  - NOT found: Red Hat's published config.json and index. Unverified: the exact config_groups
+    strings (Red Hat's may name vLLM's fused modules), the attention scale dtype (BF16 assumed),
+    the global-scale shape ((1,) or 0-d; both are read), whether shared experts are BF16.
+
+MTP block (`num_nextn_predict_layers` >= 1)
+  - DeepSeek's inference/model.py `MTPBlock(Block)` (vendored verbatim in
+    canada-quant/dsv4-flash-nvfp4-fp8-mtp vendor/dsv4-upstream/model.py): a Block plus e_proj,
+    h_proj (Linear dim x dim), enorm, hnorm, norm, hc_head_fn/base/scale (f32), embed and head
+    shared with the main model; held in `Transformer.mtp` -> names `mtp.{i}.*`.
+  - vLLM 0.21.0 model_executor/models/deepseek_v4_mtp.py: remaps `mtp.{i}.` to
+    `model.layers.{num_hidden_layers + i}.`, `.emb.tok_emb.weight` -> embed_tokens,
+    `.head.weight` -> shared_head.head, `.norm.weight` -> shared_head.norm, builds the block with
+    `DeepseekV4DecoderLayer` (our overlay) and e_proj / h_proj as ReplicatedLinear with the main
+    quant config; non-expert `.scale` -> `.weight_scale_inv`.
+  - `mtp.{i}.emb.tok_emb.weight` / `mtp.{i}.head.weight` in DeepSeek's own release: inferred
+    from vLLM's remap table and canada-quant's rename to that name, NOT verified against
+    DeepSeek's index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from cutedsl import formats as F
+from cutedsl.tools import quantize as Q
+from cutedsl.tools import tiny_model as TM
+from cutedsl.tools.checkpoint import Checkpoint, CheckpointError, read_linear, validate_layout
+from cutedsl.tools.schema import NVIDIA_EXCLUDE_MODULES, ConfigError, detect_format
+
+MICRO = {
+    "hidden_size": 512,
+    "n_routed_experts": 8,
+    "moe_intermediate_size": 128,
+    "vocab_size": 256,
+    "num_nextn_predict_layers": 1,
+}
+LAYERS = 2  # ratios [0, 4] + [0] for the MTP block: SWA + hash MoE, C4 + indexer, MTP (SWA)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("layouts")
+    out = {}
+    for fmt in ("nvidia-mixed", "ct-nvfp4-fp8", "nvfp4"):
+        p = str(root / fmt)
+        TM.generate(p, fmt, seed=11, overrides=MICRO, layers=LAYERS, tokenizer=False)
+        out[fmt] = p
+    return out
+
+
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    idx = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
+    out = {}
+    for fn in sorted(set(idx.values())):
+        with safe_open(os.path.join(path, fn), "pt") as f:
+            for k in f.keys():
+                assert idx[k] == fn, k
+                out[k] = f.get_tensor(k)
+    assert set(out) == set(idx), "index and shards disagree"
+    return out
+
+
+def _meta(t: torch.Tensor) -> tuple[list[int], torch.dtype]:
+    return list(t.shape), t.dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# nvidia-mixed
+
+
+def test_nvidia_config_is_deepseek_fp8_plus_moe_quant_algo(ckpts) -> None:
+    cfg = json.load(open(os.path.join(ckpts["nvidia-mixed"], "config.json")))
+    assert cfg["quantization_config"] == {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+        "moe_quant_algo": "NVFP4",
+    }
+    assert cfg["expert_dtype"] == "fp4" and cfg["num_nextn_predict_layers"] == 1
+    assert detect_format(cfg) == "nvidia-mixed"
+
+
+def test_nvidia_hf_quant_config_lists_every_expert_projection(ckpts) -> None:
+    hqc = json.load(open(os.path.join(ckpts["nvidia-mixed"], "hf_quant_config.json")))
+    assert hqc["producer"] == {"name": "modelopt", "version": "dsv4-nvfp4-experts"}
+    q = hqc["quantization"]
+    assert (q["quant_algo"], q["kv_cache_quant_algo"], q["group_size"]) == (
+        "MIXED_PRECISION",
+        None,
+        16,
+    )
+    assert q["exclude_modules"] == NVIDIA_EXCLUDE_MODULES
+    assert len(q["exclude_modules"]) == 14
+    # Independent of the schema: every expert projection that carries an input_scale.
+    t = _tensors(ckpts["nvidia-mixed"])
+    expected = sorted(k.removesuffix(".input_scale") for k in t if k.endswith(".input_scale"))
+    assert sorted(q["quantized_layers"]) == expected
+    E = MICRO["n_routed_experts"]
+    assert len(expected) == (LAYERS + 1) * E * 3
+    assert all(
+        v == {"quant_algo": "NVFP4", "group_size": 16} for v in q["quantized_layers"].values()
+    )
+    assert any(n.startswith("mtp.0.ffn.experts.") for n in expected)
+
+
+@pytest.mark.parametrize("block", ["layers.1.", "mtp.0."])
+def test_nvidia_experts_nvfp4_rest_native_fp8(ckpts, block: str) -> None:
+    t = _tensors(ckpts["nvidia-mixed"])
+    H, I = MICRO["hidden_size"], MICRO["moe_intermediate_size"]
+    e = f"{block}ffn.experts.5."
+    assert _meta(t[e + "w1.weight"]) == ([I, H // 2], torch.uint8)
+    assert _meta(t[e + "w1.weight_scale"]) == ([I, H // 16], torch.float8_e4m3fn)
+    assert _meta(t[e + "w2.weight"]) == ([H, I // 2], torch.uint8)
+    assert _meta(t[e + "w2.weight_scale"]) == ([H, I // 16], torch.float8_e4m3fn)
+    for w in ("w1", "w2", "w3"):
+        assert _meta(t[e + f"{w}.weight_scale_2"]) == ([], torch.float32)
+        assert _meta(t[e + f"{w}.input_scale"]) == ([], torch.float32)
+        assert e + f"{w}.scale" not in t  # the MXFP4 sibling is dropped
+    # w1/w3 share one global scale (vLLM's fused w13 keeps one)
+    assert torch.equal(t[e + "w1.weight_scale_2"], t[e + "w3.weight_scale_2"])
+    # attention and the shared expert: DeepSeek FP8 block, e8m0 scales
+    a = f"{block}attn.wq_b"
+    assert t[a + ".weight"].dtype == torch.float8_e4m3fn
+    assert t[a + ".scale"].dtype == torch.float8_e8m0fnu
+    assert t[f"{block}ffn.shared_experts.w2.scale"].dtype == torch.float8_e8m0fnu
+
+
+def test_mtp_block_names(ckpts) -> None:
+    names = set(_tensors(ckpts["nvidia-mixed"]))
+    mtp = {n for n in names if n.startswith("mtp.")}
+    for m in (
+        "e_proj.weight", "e_proj.scale", "h_proj.weight", "h_proj.scale", "enorm.weight",
+        "hnorm.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale",
+        "emb.tok_emb.weight", "head.weight", "attn.wq_a.weight", "attn.wo_a.scale",
+        "attn.attn_sink", "hc_attn_fn", "hc_ffn_scale", "ffn.gate.weight", "ffn.gate.bias",
+    ):  # fmt: skip
+        assert f"mtp.0.{m}" in mtp, m
+    # compress_ratios[LAYERS] = 0: the MTP block is sliding-window only; index >= num_hash_layers
+    assert not any(".compressor." in n or ".indexer." in n or "tid2eid" in n for n in mtp)
+    assert not any(n.startswith("mtp.1.") for n in names)
+
+
+# ---------------------------------------------------------------------------------------------
+# compressed-tensors
+
+
+def test_ct_config_groups(ckpts) -> None:
+    qc = json.load(open(os.path.join(ckpts["ct-nvfp4-fp8"], "config.json")))["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "mixed-precision"
+    g0, g1 = qc["config_groups"]["group_0"], qc["config_groups"]["group_1"]
+    assert g0["format"] == "float-quantized" and g0["input_activations"] is None
+    assert g0["weights"]["strategy"] == "block" and g0["weights"]["block_structure"] == [128, 128]
+    assert g1["format"] == "nvfp4-pack-quantized"
+    assert (g1["weights"]["num_bits"], g1["weights"]["group_size"]) == (4, 16)
+    assert g1["input_activations"]["dynamic"] == "local"
+    assert r"re:.*mtp\..*" in qc["ignore"]
+    assert "scale_fmt" not in qc  # Red Hat's config has none (pristine vLLM: KeyError)
+    assert detect_format({"quantization_config": qc}) == "ct-nvfp4-fp8"
+    qc2 = {**qc, "config_groups": {"group_0": g0}}
+    with pytest.raises(ConfigError, match="nvfp4-pack-quantized"):
+        detect_format({"quantization_config": qc2})
+
+
+def test_ct_tensors_and_inverse_global_scale(ckpts) -> None:
+    """Same seed, same masters: the compressed-tensors experts are ModelOpt's codes with the
+    reciprocal global scales (compressed-tensors stores divisors)."""
+    ct, mo = _tensors(ckpts["ct-nvfp4-fp8"]), _tensors(ckpts["nvfp4"])
+    H, I = MICRO["hidden_size"], MICRO["moe_intermediate_size"]
+    e = "layers.0.ffn.experts.3.w1."
+    assert _meta(ct[e + "weight_packed"]) == ([I, H // 2], torch.uint8)
+    assert _meta(ct[e + "weight_scale"]) == ([I, H // 16], torch.float8_e4m3fn)
+    assert _meta(ct[e + "weight_global_scale"]) == ([], torch.float32)
+    assert _meta(ct[e + "input_global_scale"]) == ([], torch.float32)
+    assert e + "weight" not in ct and e + "weight_scale_2" not in ct
+    assert torch.equal(ct[e + "weight_packed"], mo[e + "weight"])
+    assert torch.equal(
+        ct[e + "weight_scale"].view(torch.uint8), mo[e + "weight_scale"].view(torch.uint8)
+    )
+    prod = float(ct[e + "weight_global_scale"].double() * mo[e + "weight_scale_2"].double())
+    assert abs(prod - 1.0) < 1e-6, prod
+    prod = float(ct[e + "input_global_scale"].double() * mo[e + "input_scale"].double())
+    assert abs(prod - 1.0) < 1e-6, prod
+    # attention: FP8 block weight + BF16 block scale; indexer.wq_b, shared experts: BF16
+    a = "layers.1.attn.wo_a."
+    n, k = ct[a + "weight"].shape
+    assert ct[a + "weight"].dtype == torch.float8_e4m3fn
+    assert _meta(ct[a + "weight_scale"]) == ([-(-n // 128), -(-k // 128)], torch.bfloat16)
+    assert ct["layers.1.attn.indexer.wq_b.weight"].dtype == torch.bfloat16
+    assert ct["layers.1.ffn.shared_experts.w1.weight"].dtype == torch.bfloat16
+    # the MTP block: all BF16, no quantization tensor (canada-quant's "Option Y" invariant)
+    mtp = {n: v for n, v in ct.items() if n.startswith("mtp.")}
+    quant_leaves = (".weight_scale", ".weight_packed", ".scale", "_global_scale", ".input_scale")
+    assert mtp and not any(n.endswith(quant_leaves) for n in mtp)
+    assert mtp["mtp.0.ffn.experts.0.w2.weight"].dtype == torch.bfloat16
+    assert mtp["mtp.0.e_proj.weight"].dtype == torch.bfloat16
+
+
+def test_ct_dequantizes_to_the_same_weights_as_modelopt(ckpts) -> None:
+    ct, mo = Checkpoint(ckpts["ct-nvfp4-fp8"]), Checkpoint(ckpts["nvfp4"])
+    n = "layers.1.ffn.experts.6.w2"
+    a, b = read_linear(ct, n), read_linear(mo, n)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    # and by hand: e2m1 * block scale / global scale
+    t = _tensors(ckpts["ct-nvfp4-fp8"])
+    vals = F.decode_e2m1(F.unpack_e2m1(t[n + ".weight_packed"]))
+    sf = t[n + ".weight_scale"].float().repeat_interleave(16, dim=1)
+    ref = vals * sf / t[n + ".weight_global_scale"].float()
+    torch.testing.assert_close(a, ref, rtol=1e-6, atol=0)
+
+
+def test_ct_global_scale_of_shape_one_is_read(ckpts, tmp_path) -> None:
+    """llm-compressor writes (1,)-shaped global scales (canada-quant squeeze_global_scales.py)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "ct1"
+    shutil.copytree(ckpts["ct-nvfp4-fp8"], src)
+    idx = json.load(open(src / "model.safetensors.index.json"))["weight_map"]
+    for fn in set(idx.values()):
+        t = {}
+        with safe_open(str(src / fn), "pt") as f:
+            for k in f.keys():
+                v = f.get_tensor(k)
+                t[k] = v.reshape(1) if k.endswith("_global_scale") else v
+        save_file(t, str(src / fn), metadata={"format": "pt"})
+    n = "layers.0.ffn.experts.1.w3"
+    torch.testing.assert_close(
+        read_linear(Checkpoint(str(src), validate=True), n),
+        read_linear(Checkpoint(ckpts["ct-nvfp4-fp8"]), n),
+        rtol=0,
+        atol=0,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The converter
+
+
+@pytest.mark.parametrize("fmt", ["ct-nvfp4-fp8", "nvidia-mixed"])
+def test_convert_to_full_nvfp4(ckpts, tmp_path, fmt: str) -> None:
+    out = str(tmp_path / "q")
+    cfg = Q.convert(ckpts[fmt], out)
+    assert cfg["quantization_config"]["quant_method"] == "modelopt"
+    dst, src = Checkpoint(out), Checkpoint(ckpts[fmt])
+    assert validate_layout(dst, "nvfp4") == []
+    ref = _tensors(ckpts["nvfp4"])
+    got = _tensors(out)
+    assert set(got) == set(ref)  # the full-NVFP4 layout, MTP block included
+    for k, v in ref.items():
+        assert _meta(got[k]) == _meta(v), k
+    # NVFP4 experts are carried over code for code (no re-quantization)
+    e = "layers.1.ffn.experts.2.w3"
+    assert torch.equal(got[e + ".weight"], ref[e + ".weight"])
+    torch.testing.assert_close(read_linear(dst, e), read_linear(src, e), rtol=1e-6, atol=0)
+    if fmt == "nvidia-mixed":  # the MTP experts were NVFP4 already
+        m = "mtp.0.ffn.experts.4.w1.weight"
+        assert torch.equal(got[m], _tensors(ckpts[fmt])[m])
+    # re-quantized projections stay close to their source (NVFP4 error)
+    requantized = ["layers.0.attn.wq_b", "mtp.0.h_proj"]
+    if fmt == "ct-nvfp4-fp8":
+        requantized.append("mtp.0.ffn.experts.0.w2")  # BF16 in the source
+    for n in requantized:
+        a, b = read_linear(src, n), read_linear(dst, n)
+        rel = float((a - b).norm() / a.norm())
+        assert 0.01 < rel < 0.15, (n, rel)
+
+
+def test_convert_checkpoint_without_its_mtp_block(ckpts, tmp_path) -> None:
+    """Red Hat's checkpoint declares the MTP layer but ships no mtp.* tensor."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "nomtp"
+    shutil.copytree(ckpts["ct-nvfp4-fp8"], src)
+    ipath = src / "model.safetensors.index.json"
+    idx = json.load(open(ipath))
+    for fn in set(idx["weight_map"].values()):
+        with safe_open(str(src / fn), "pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("mtp.")}
+        save_file(t, str(src / fn), metadata={"format": "pt"})
+    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if not k.startswith("mtp.")}
+    json.dump(idx, open(ipath, "w"))
+    out = str(tmp_path / "q")
+    Q.convert(str(src), out)
+    assert not any(n.startswith("mtp.") for n in Checkpoint(out).names())
+    # a partial block is named, not silently dropped
+    fn = sorted(set(idx["weight_map"].values()))[0]
+    with safe_open(str(src / fn), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    t["mtp.0.enorm.weight"] = torch.ones(MICRO["hidden_size"], dtype=torch.bfloat16)
+    save_file(t, str(src / fn), metadata={"format": "pt"})
+    idx["weight_map"]["mtp.0.enorm.weight"] = fn
+    json.dump(idx, open(ipath, "w"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'mtp\.0\."):
+        Q.convert(str(src), str(tmp_path / "q2"))
