@@ -49,6 +49,11 @@ BROKEN = ("nvfp4/native:missing", "nvfp4/native:badshape", "nvfp4/native:marlin"
 # what a GPU load leaves in the layers (the checkpoint-layout weights released).
 SM90_EMU = "nvfp4/native:sm90emu"
 PRISTINE_CASES = ("native/native", "nvidia-mixed/native")
+# vLLM 0.21.0's MTP draft model (deepseek_v4_mtp.py, whose block is our overlaid
+# DeepseekV4DecoderLayer) on a checkpoint with num_nextn_predict_layers = 1, per MTP block format.
+MTP_CASES = ("mtp:nvfp4", "mtp:nvidia-mixed", "mtp:native", "mtp:bf16")
+# compressed-tensors (Red Hat's layout): refused at construction with a line naming config.json.
+CT_CASE = "ct-nvfp4-fp8/native:refused"
 # Created by upstream vLLM, absent from DeepSeek's checkpoints and never used in forward
 # (research/vllm021_dsv4.md §1.1): not expected to be filled.
 UNLOADED_UPSTREAM = (".indexer.k_norm.",)
@@ -368,8 +373,73 @@ def _broken_load(model, weights, variant: str) -> dict:
     return {"raised": None}
 
 
+def _run_mtp_case(fmt: str, tmp: str) -> dict:
+    """Build DeepSeekV4MTP from an MTP-bearing checkpoint, load it, report methods and fill."""
+    from unittest import mock
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.kernels import linear as linear_kernels
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+    from vllm.platforms.interface import PlatformEnum
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from cutedsl.tools import tiny_model
+
+    ckpt = f"{tmp}/mtp-{fmt}"
+    if os.path.exists(ckpt):
+        cfg = json.load(open(f"{ckpt}/config.json"))
+    else:
+        overrides = {**TINY, "num_nextn_predict_layers": 1}
+        cfg = tiny_model.generate(ckpt, fmt, overrides=overrides, layers=LAYERS, tokenizer=False)
+    vc = _vllm_config(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    rep: dict = {"quant_config": type(vc.quant_config).__name__}
+    # e_proj / h_proj are built by deepseek_v4_mtp.py (not overlaid) with upstream's NVFP4
+    # linear method; its kernel list has no CPU entry: vLLM's emulation kernel stands in.
+    cpu_nvfp4 = mock.patch.dict(
+        linear_kernels._POSSIBLE_NVFP4_KERNELS,
+        {PlatformEnum.CPU: [linear_kernels.EmulationNvFp4LinearKernel]},
+    )
+    with set_current_vllm_config(vc):
+        _init_distributed(vc, tmp)
+        from vllm.model_executor.models.deepseek_v4_mtp import DeepSeekV4MTP
+
+        shims = _construction_shims("native" if fmt == "nvidia-mixed" else fmt)
+        with shims, cpu_nvfp4, set_default_torch_dtype(vc.model_config.dtype):
+            with torch.device("cpu"):
+                model = DeepSeekV4MTP(vllm_config=vc, prefix="")
+        rep["methods"] = {
+            n: type(m.quant_method).__name__
+            for n, m in model.named_modules()
+            if getattr(m, "quant_method", None) is not None
+        }
+        rep["block_types"] = sorted(
+            {type(lyr.mtp_block).__name__ for lyr in model.model.layers.values()}
+        )
+        _poison(model)
+        files = sorted(glob.glob(f"{ckpt}/*.safetensors"))
+        loaded = model.load_weights(safetensors_weights_iterator(files, False))
+        rep["n_loaded"] = len(loaded)
+        rep["n_mtp_tensors"] = sum(1 for n in _ckpt_tensors(ckpt) if n.startswith("mtp."))
+        # embed_tokens: shared with the target model at load time by vLLM's proposer
+        rep["unfilled"] = [
+            n
+            for n in _unfilled(model, cfg["num_attention_heads"])
+            if not n.startswith("model.embed_tokens.")
+        ]
+        rep["not_loaded"] = sorted(
+            n
+            for n, _ in model.named_parameters()
+            if n not in loaded and not any(s in n for s in UNLOADED_UPSTREAM)
+        )
+    return rep
+
+
 def _run_case(case: str, tmp: str) -> dict:
     import torch
+
+    if case.startswith("mtp:"):
+        return _run_mtp_case(case.removeprefix("mtp:"), tmp)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
@@ -391,13 +461,14 @@ def _run_case(case: str, tmp: str) -> dict:
 
         from cutedsl.vllm.quant import dsv4_quant_config
 
-        rep["dispatch_is_upstream_config"] = dsv4_quant_config(vc) is vc.quant_config
+        if variant != "refused":
+            rep["dispatch_is_upstream_config"] = dsv4_quant_config(vc) is vc.quant_config
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         # as vLLM's BaseModelLoader.load_model: default dtype, then the model on the target device
         with _construction_shims(fmt), set_default_torch_dtype(vc.model_config.dtype):
             with torch.device("cpu"):
-                if variant == "marlin":  # upstream's oracle decides; it has no CPU backend
+                if variant in ("marlin", "refused"):  # raises at construction
                     try:
                         DeepseekV4ForCausalLM(vllm_config=vc, prefix="")
                     except Exception as e:
@@ -537,7 +608,7 @@ def _run_harness(workdir: Path, name: str, cases: tuple[str, ...], *flags: str) 
 
 @pytest.fixture(scope="module")
 def report(workdir: Path) -> dict:
-    return _run_harness(workdir, "overlay", (*CASES, *BROKEN, SM90_EMU))
+    return _run_harness(workdir, "overlay", (*CASES, *BROKEN, SM90_EMU, *MTP_CASES, CT_CASE))
 
 
 @pytest.fixture(scope="module")
@@ -753,6 +824,43 @@ def test_pristine_cannot_load_nvidia_mixed(pristine_report: dict) -> None:
     assert err.startswith("KeyError") and ".ffn.experts." in err, err
 
 
+def test_compressed_tensors_is_refused_naming_config_json(report: dict) -> None:
+    rep = _case(report, CT_CASE)
+    assert rep["raised"] == "NotImplementedError", rep
+    assert "/config.json: quantization_config is compressed-tensors" in rep["message"]
+    assert "dsv4-quantize SRC DST" in rep["message"]
+
+
+@pytest.mark.parametrize("case", MTP_CASES)
+def test_mtp_draft_builds_on_our_decoder_layer_and_loads_every_parameter(
+    report: dict, case: str
+) -> None:
+    """vLLM 0.21.0's DeepSeekV4MTP (deepseek_v4_mtp.py) with `mtp.0.*` of each block format."""
+    rep = _case(report, case)
+    assert rep["block_types"] == ["DeepseekV4DecoderLayer"]
+    assert rep["n_mtp_tensors"] > 0 and rep["n_loaded"] > 0
+    assert rep["unfilled"] == [] and rep["not_loaded"] == [], (rep["unfilled"], rep["not_loaded"])
+
+
+def test_mtp_block_methods_per_format(report: dict) -> None:
+    b = f"model.layers.{LAYERS}.mtp_block"
+    nv = _case(report, "mtp:nvfp4")["methods"]
+    assert nv[f"{b}.attn.fused_wqa_wkv"] == "CuTeDSLNvFp4LinearMethod"
+    assert nv[f"{b}.attn.wo_a"] == "CuTeDSLNvFp4LinearMethod"
+    assert nv[f"{b}.ffn.shared_experts"] == "CuTeDSLSharedMlpMethod"
+    assert nv[f"{b}.ffn.experts"] == "CuTeDSLModelOptNvFp4FusedMoE"
+    # built by deepseek_v4_mtp.py itself (not overlaid) with the model's quant config
+    assert nv[f"model.layers.{LAYERS}.e_proj"] == "ModelOptNvFp4LinearMethod"
+    mixed = _case(report, "mtp:nvidia-mixed")["methods"]
+    assert mixed[f"{b}.ffn.experts"] == "CuTeDSLModelOptNvFp4FusedMoE"
+    assert mixed[f"{b}.attn.wo_a"] == mixed[f"model.layers.{LAYERS}.e_proj"] == "Fp8LinearMethod"
+    native = _case(report, "mtp:native")["methods"]
+    assert native[f"{b}.ffn.experts"] == "Mxfp4MoEMethod"
+    assert not any("CuTeDSL" in v for v in native.values())
+    bf16 = _case(report, "mtp:bf16")["methods"]
+    assert bf16[f"{b}.ffn.experts"] == "UnquantizedFusedMoEMethod"
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -762,4 +870,9 @@ if __name__ == "__main__":
     ap.add_argument("--pristine", action="store_true", help="upstream's DSv4 files, not ours")
     ap.add_argument("cases", nargs="*")
     a = ap.parse_args()
-    _harness(a.harness, a.cases or [*CASES, *BROKEN, SM90_EMU], a.workdir, a.pristine)
+    _harness(
+        a.harness,
+        a.cases or [*CASES, *BROKEN, SM90_EMU, *MTP_CASES, CT_CASE],
+        a.workdir,
+        a.pristine,
+    )

@@ -9,6 +9,9 @@
 - NVIDIA's mixed checkpoints (`quant_method: fp8` + `moe_quant_algo: NVFP4`) resolve to
   `DeepseekV4FP8Config`; its routed experts get `nvfp4_moe_method_for_fp8_config` (FP8 block
   linears everywhere else, upstream).
+- compressed-tensors checkpoints (RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 and its MTP variant) are
+  refused with one line naming config.json: `dsv4-quantize SRC DST` converts them (losslessly for
+  the NVFP4 experts) into a full NVFP4 ModelOpt checkpoint, which is served.
 - Anything else (native FP8 + MXFP4, FP8 experts, bf16 / no quantization, W4A16_NVFP4) is returned
   as is: upstream behaviour exactly.
 """
@@ -22,6 +25,9 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.fused_moe import FusedMoE
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+    CompressedTensorsConfig,
+)
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
 from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod
@@ -31,6 +37,12 @@ from cutedsl.vllm.moe_experts import nvfp4_moe_method
 def dsv4_quant_config(vllm_config: VllmConfig) -> QuantizationConfig | None:
     """The quant config DSv4's attention and MoE modules build their layers with."""
     qc = vllm_config.quant_config
+    if isinstance(qc, CompressedTensorsConfig):
+        raise NotImplementedError(
+            f"{vllm_config.model_config.model}/config.json: quantization_config is "
+            "compressed-tensors; DeepSeek V4 is served from ModelOpt NVFP4 here: convert it with "
+            "`dsv4-quantize SRC DST` (NVFP4 experts carried over losslessly) and serve DST"
+        )
     if type(qc) is not ModelOptNvFp4Config or qc.quant_method != "NVFP4":
         return qc  # W4A16_NVFP4 keeps upstream's Marlin method
     ours = copy.copy(qc)
