@@ -42,8 +42,11 @@ kernel time per decode step at the most common decode batch size.
 Output JSON: command, date, label, base_url, workload, trace_files, totals (kernel time, GPU busy
 time = union of kernel intervals, trace GPU span, graph counts), steps (per batch size), categories
 (rows: category, calls, total_us, pct, us_per_decode_step, calls_per_decode_step), kernels (rows:
-name, category, calls, total_us, mean_us, pct, us_per_decode_step), warnings. --md: the same as
-tables (the top --top kernels). Exit status: 0, 1 when no GPU kernel was found or the workload
+name, category, calls, total_us, mean_us, pct, us_per_decode_step), idle (where the GPU waits in
+the decode steps at that batch size: every gap of at least MIN_GAP_US between the latest kernel end
+and the next kernel start, in-graph when both kernels came from the same CUDA-graph launch, per step
+and by the pair of kernels around it), host (the other user annotations, the worker's CPU phases,
+in us per step), warnings. --md: the same as tables (the top --top kernels). Exit status: 0, 1 when no GPU kernel was found or the workload
 failed, 2 on bad arguments.
 """
 
@@ -97,6 +100,9 @@ OTHER = "other"
 CATEGORIES = [c for c, _ in CATEGORY_RULES] + [MEMORY, OTHER]
 _GPU_CATS = {"kernel": None, "gpu_memcpy": MEMORY, "gpu_memset": MEMORY}
 _LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
+MIN_GAP_US = 5.0  # idle gaps shorter than this are launch latency, not waiting
+IDLE_TOP = 12
+HOST_TOP = 15
 STEP_RE = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
@@ -151,6 +157,53 @@ def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 2) if xs else None
 
 
+def _idle(steps: list[dict]) -> dict:
+    """Where the GPU waits inside the decode steps `steps`: each gap of at least MIN_GAP_US between
+    one kernel's end (the latest end so far) and the next kernel's start, named by the kernels on
+    either side and counted as in-graph when both came from the same CUDA-graph launch."""
+    n = len(steps)
+    pairs: dict[tuple[str, str, bool], list[float]] = {}
+    in_graph = outside = 0.0
+    for s in steps:
+        ks = sorted(s["k"])
+        if not ks:
+            continue
+        end, prev = ks[0][1], ks[0]
+        for k in ks[1:]:
+            gap = k[0] - end
+            if gap >= MIN_GAP_US:
+                same = prev[3] is not None and prev[3] == k[3]
+                acc = pairs.setdefault((_short(prev[2]), _short(k[2]), same), [0.0, 0])
+                acc[0] += gap
+                acc[1] += 1
+                if same:
+                    in_graph += gap
+                else:
+                    outside += gap
+            if k[1] > end:
+                end, prev = k[1], k
+    top = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:IDLE_TOP]
+    return {
+        "min_gap_us": MIN_GAP_US,
+        "in_graph_us_per_step": round(in_graph / n, 2) if n else None,
+        "outside_graph_us_per_step": round(outside / n, 2) if n else None,
+        "top": [
+            {
+                "after": a,
+                "before": b,
+                "in_graph": g,
+                "us_per_step": round(v[0] / n, 2),
+                "gaps_per_step": round(v[1] / n, 2),
+            }
+            for (a, b, g), v in top
+        ],  # fmt: skip
+    }
+
+
+def _short(name: str, n: int = 90) -> str:
+    return name if len(name) <= n else name[: n - 3] + "..."
+
+
 class _Acc:
     """Aggregates kernels and steps over one or more trace files."""
 
@@ -168,7 +221,7 @@ class _Acc:
         self.add_events(load_trace(path))
 
     def add_events(self, events: list[dict]) -> None:
-        gpu, launches, anns = [], {}, []
+        gpu, launches, anns, host = [], {}, [], []
         graph_corr = set()
         for ev in events:
             if ev.get("ph") != "X":
@@ -188,6 +241,8 @@ class _Acc:
                 m = STEP_RE.match(str(ev.get("name", "")))
                 if m:
                     anns.append((float(ev["ts"]), float(ev.get("dur", 0)), m))
+                else:
+                    host.append((float(ev["ts"]), float(ev.get("dur", 0)), str(ev.get("name", ""))))
         anns.sort(key=lambda a: a[0])
         starts = [a[0] for a in anns]
         periods = [b - a for a, b in zip(starts, starts[1:])]
@@ -199,7 +254,13 @@ class _Acc:
             steps.append({"ctx": c, "ctx_tokens": tc, "gen": g, "gen_tokens": tg,
                           "cpu_period_us": end - ts, "kernel_us": 0.0, "n_kernels": 0,
                           "first": None, "last": None, "cats": Counter(), "cat_n": Counter(),
-                          "names": Counter()})  # fmt: skip
+                          "names": Counter(), "k": [], "host": Counter(),
+                          "host_n": Counter()})  # fmt: skip
+        for ts, dur, name in host:
+            i = bisect.bisect_right(starts, ts) - 1
+            if i >= 0 and ts < starts[i] + steps[i]["cpu_period_us"]:
+                steps[i]["host"][name] += dur
+                steps[i]["host_n"][name] += 1
         intervals = []
         for ev, fixed in gpu:
             name = str(ev.get("name", ""))
@@ -231,6 +292,7 @@ class _Acc:
             st["cats"][cat] += dur
             st["cat_n"][cat] += 1
             st["names"][name] += dur
+            st["k"].append((ts, ts + dur, name, corr if corr in graph_corr else None))
         if intervals:
             self.busy_us += _union_us(intervals)
             self.span_us += max(e for _, e in intervals) - min(s for s, _ in intervals)
@@ -294,6 +356,19 @@ class _Acc:
                 "us_per_decode_step": round(name_step[r["name"]] / n_ref, 3) if n_ref else None,
             })  # fmt: skip
         k_rows.sort(key=lambda r: -r["total_us"])
+        idle = _idle(ref)
+        host_tot, host_n = Counter(), Counter()
+        for s in ref:
+            host_tot.update(s["host"])
+            host_n.update(s["host_n"])
+        host_rows = [
+            {
+                "name": n,
+                "us_per_step": round(v / n_ref, 2),
+                "calls_per_step": round(host_n[n] / n_ref, 2),
+            }
+            for n, v in host_tot.most_common(HOST_TOP)
+        ]
         warnings = []
         if not self.n_gpu:
             warnings.append("no GPU kernel events in the trace(s)")
@@ -328,6 +403,8 @@ class _Acc:
             "steps": steps_rows,
             "categories": cat_rows,
             "kernels": k_rows,
+            "idle": idle,
+            "host": host_rows,
             "warnings": warnings,
         }
 
@@ -381,11 +458,36 @@ def markdown(res: dict, top: int = 30) -> str:
         name = name if len(name) <= 100 else name[:97] + "..."
         lines.append(f"| `{name}` | {k['category']} | {k['calls']} | {k['total_us'] / 1e3:.3f} | "
                      f"{k['pct']:.2f} | {k['mean_us']:.2f} | {_fmt(k['us_per_decode_step'], '{:.2f}')} |")  # fmt: skip
+    lines += _idle_markdown(res)
     for wmsg in res.get("warnings", []):
         lines += ["", f"WARNING: {wmsg}"]
     lines += ["", f"Command: `{res.get('command')}`; date {res.get('date')}; traces: "
               + ", ".join(f"`{os.path.basename(p)}`" for p in res["trace_files"])]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _idle_markdown(res: dict) -> list[str]:
+    idle, host = res.get("idle") or {}, res.get("host") or []
+    if idle.get("in_graph_us_per_step") is None:
+        return []
+    lines = [
+        "", f"Where the GPU waits (decode steps at batch {res['totals']['decode_batch']}; gaps of at "
+        f"least {idle['min_gap_us']:g} us between kernels): {_fmt(idle['in_graph_us_per_step'])} us "
+        f"per step inside CUDA graphs, {_fmt(idle['outside_graph_us_per_step'])} us outside them.",
+        "", "| after kernel | before kernel | in graph | idle us/step | gaps/step |",
+        "|---|---|---|---:|---:|",
+    ]  # fmt: skip
+    for g in idle["top"]:
+        a, b = (x.replace("|", "\\|") for x in (g["after"], g["before"]))
+        lines.append(f"| `{a}` | `{b}` | {'yes' if g['in_graph'] else 'no'} | "
+                     f"{_fmt(g['us_per_step'])} | {_fmt(g['gaps_per_step'], '{:.2f}')} |")  # fmt: skip
+    if host:
+        lines += ["", "Host annotations in the same steps (CPU us per step; nested ones overlap):", "",
+                  "| annotation | us/step | calls/step |", "|---|---:|---:|"]  # fmt: skip
+        for h in host:
+            lines.append(f"| `{h['name'].replace('|', '/')}` | {_fmt(h['us_per_step'])} | "
+                         f"{_fmt(h['calls_per_step'], '{:.2f}')} |")  # fmt: skip
+    return lines
 
 
 def compare_markdown(results: list[dict]) -> tuple[str, dict]:
@@ -418,14 +520,16 @@ def compare_markdown(results: list[dict]) -> tuple[str, dict]:
     lines.append("| **sum** | " + " | ".join([_fmt(s) for s in sums]
                  + [_fmt(s / b if b else None, "{:.2f}") for s in sums[:-1]]) + " |")  # fmt: skip
     lines += ["", "| profile | decode batch | kernel us/step | GPU span us/step | CPU period us/step "
-              "| GPU busy % of span | client tok/s under profiler |",
-              "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+              "| GPU busy % of span | idle in graphs us/step | idle outside us/step "
+              "| client tok/s under profiler |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for lab, r in zip(labels, results):
-        t = r["totals"]
+        t, idle = r["totals"], r.get("idle") or {}
         s = next((s for s in r["steps"] if s["batch"] == t["decode_batch"]), {})
         lines.append(f"| {lab} | {t['decode_batch']} | {_fmt(s.get('median_kernel_us'))} | "
                      f"{_fmt(s.get('median_gpu_span_us'))} | {_fmt(s.get('median_cpu_period_us'))} | "
-                     f"{_fmt(t.get('gpu_busy_pct_of_span'))} | "
+                     f"{_fmt(t.get('gpu_busy_pct_of_span'))} | {_fmt(idle.get('in_graph_us_per_step'))} | "
+                     f"{_fmt(idle.get('outside_graph_us_per_step'))} | "
                      f"{_fmt((r.get('workload') or {}).get('client_tok_per_s'))} |")  # fmt: skip
     lines += ["", "kernel us/step: sum of kernel durations; GPU span: first kernel start to last "
               "kernel end; CPU period: step annotation start to the next (the decode step time "

@@ -147,8 +147,26 @@ def test_parse_synthetic_trace(tmp_path: Path) -> None:
     assert steps[4]["median_cpu_period_us"] == 1000 and steps[4]["median_kernels"] == 3.5
     assert steps[2]["steps"] == 1 and steps[2]["median_kernel_us"] == 5.0
     assert res["warnings"] == []
+    # idle at batch 4: step 1: ours 2100..2110, gap 5 in the graph, mla ..2120, gap 300 to the
+    # eager fill (different launches), ..2422, gap 38 to the memcpy; step 2: ours 3100..3112,
+    # gap 8 in the graph, mla ..3125, gap 375 to marlin (no launch record: not in the graph)
+    idle = res["idle"]
+    assert idle["in_graph_us_per_step"] == (5 + 8) / 2
+    assert idle["outside_graph_us_per_step"] == (300 + 38 + 375) / 2
+    top = {(g["after"], g["before"], g["in_graph"]): g for g in idle["top"]}
+    assert top[(MLA, MARLIN, False)]["us_per_step"] == 187.5
+    assert (
+        top[(OURS, MLA, True)]["us_per_step"] == 6.5
+        and top[(OURS, MLA, True)]["gaps_per_step"] == 1
+    )
+    assert idle["top"][0]["before"] == MARLIN  # the largest first
+    # host annotations inside the batch-4 steps: one "forward" of 100 us in step 1
+    assert res["host"] == [{"name": "gpu_model_runner: forward", "us_per_step": 50.0,
+                            "calls_per_step": 0.5}]  # fmt: skip
     md = ps.markdown({**res, "label": "x", "command": "c", "date": "d"})
     assert "| cutedsl_w4a16_gemm | 2 | 0.02 |" in md and "| 4 | 2 | 21.0 |" in md
+    assert "6.5 us per step inside CUDA graphs, 356.5 us outside them" in md
+    assert "| `gpu_model_runner: forward` | 50.0 | 0.50 |" in md
 
 
 def test_two_files_and_missing_graph_kernels(tmp_path: Path) -> None:
