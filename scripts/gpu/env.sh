@@ -89,15 +89,18 @@ for name in ("torch", "cutlass", "vllm", "transformers"):
 # runs in its own process group (setsid), so it outlives the driver that started it; its pid is
 # kept in $RUN_DIR/serve_flash_NAME.pid and its log appended to $RUN_DIR/serve_flash_NAME.log.
 # FLASH_LAYERS sets the checkpoints' depth (default: the preset's 2 layers, checkpoints flash-*;
-# otherwise flashN-*); MAX_NUM_SEQS and GPU_MEM_UTIL the servers' batch and memory share.
+# otherwise flashN-*); MAX_NUM_SEQS and GPU_MEM_UTIL the servers' batch and memory share;
+# KV_CACHE_BYTES their KV cache (vLLM's --kv-cache-memory-bytes: a fixed size that replaces the
+# share GPU_MEM_UTIL would leave for it, so each server holds weights + this + activations).
 FLASH_LAYERS=${FLASH_LAYERS:-}
 FLASH_TAG=flash$FLASH_LAYERS
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-64}
 GPU_MEM_UTIL=${GPU_MEM_UTIL:-0.3}
+KV_CACHE_BYTES=${KV_CACHE_BYTES:-16000000000}
 CAPTURE_SIZES=${CAPTURE_SIZES:-1 2 4 8 16 32 64}
 # shellcheck disable=SC2206
 FLASH_ARGS=(--served-model-name flash --max-model-len 10240 --max-num-seqs "$MAX_NUM_SEQS"
-    --kv-cache-memory-bytes 16000000000 --gpu-memory-utilization "$GPU_MEM_UTIL"
+    --kv-cache-memory-bytes "$KV_CACHE_BYTES" --gpu-memory-utilization "$GPU_MEM_UTIL"
     --cudagraph-capture-sizes $CAPTURE_SIZES --enable-prompt-tokens-details)
 flash_port() { case $1 in ours) echo 8001 ;; upstream) echo 8002 ;; esac; }
 flash_prof_dir() { echo "$RUN_DIR/prof_flash_$1"; }

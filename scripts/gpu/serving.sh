@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Serving at depth: ours vs upstream vLLM 0.21.0 on the flash-layers checkpoint at FLASH_LAYERS
-# layers (default 8: real DSv4-Flash layer sizes, deep enough that a decode step is GPU-bound).
+# layers (default 8, at real DSv4-Flash layer sizes).
 #
 #   bash scripts/gpu/serving.sh        # call again until it prints "serving: done"
 #
@@ -8,21 +8,43 @@
 #   1. generate both checkpoints (ours: full NVFP4; upstream: the native FP8 + MXFP4 checkpoint of
 #      the same seed), in the background, while the mHC TileLang kernels are compiled into their
 #      disk cache (cutedsl/tools/prewarm_mhc.py); refuses to start without the disk space;
-#   2. start both servers (env.sh start_flash: ports 8001/8002, identical flags, CUDA graphs for
-#      CAPTURE_SIZES, GPU_MEM_UTIL each) and wait until both are healthy;
-#   3. `vllm bench serve` (bench/serve_bench.py --in-process, one dataset seed per run) on every
-#      SHAPES x CONCS point, ours then upstream, one server busy at a time; repeat 0 first;
-#   4. per concurrency in PROFILE_CONCS, the decode profile of both servers
-#      (bench/profile_server.py, 1024-token prompts);
-#   5. the further repeats (REPEATS, default 2);
-#   6. the copy bandwidth, then bench/serving.py report: serving.json/.md/.png; servers stopped.
+#   2. ours, then upstream, each alone on the GPU (ONE_AT_A_TIME=1, the default; 0 keeps both
+#      servers up at once, GPU_MEM_UTIL each): start the server (env.sh start_flash: ports
+#      8001/8002, identical flags, CUDA graphs for CAPTURE_SIZES, KV_CACHE_BYTES of KV cache),
+#      wait until healthy, then
+#      a. `vllm bench serve` (bench/serve_bench.py --in-process, one dataset seed per run) on every
+#         SHAPES x CONCS point, repeat 0;
+#      b. per concurrency in PROFILE_CONCS, its decode profile (bench/profile_server.py,
+#         1024-token prompts);
+#      c. the further repeats (REPEATS, default 2); then the server is stopped;
+#   3. the copy bandwidth, then bench/serving.py report: serving.json/.md/.png.
+# Checkpoints go to CKPT_DIR (default $RUN_DIR/checkpoints, outside the checkout: a checkout
+# carried to the GPU machine is replaced on every call; /dev/shm/cutedsl-checkpoints when the disk
+# lacks the room and memory has it).
 # COMMIT names the code's commit in the results where the checkout has no git metadata.
 # Servers and generators run in their own process groups and outlive a call; state accumulates in
 # $STATE. Every call copies the results into $OUT (serving.*, serve_*.json, profile_*.json/.md,
 # ckpt_bytes_*.txt, the server logs) and appends one line per step to $OUT/summary.txt.
 set -u
+ONE_AT_A_TIME=${ONE_AT_A_TIME:-1}
+GB_PER_LAYER=${GB_PER_LAYER:-7.5}  # both checkpoints together, per layer (3.6 + 3.4 GB, rounded up)
 export FLASH_LAYERS=${FLASH_LAYERS:-8} MAX_NUM_SEQS=${MAX_NUM_SEQS:-128}
-export GPU_MEM_UTIL=${GPU_MEM_UTIL:-0.45} CAPTURE_SIZES=${CAPTURE_SIZES:-1 2 4 8 16 32 64 128}
+if [ "$ONE_AT_A_TIME" = 1 ]; then GPU_MEM_UTIL=${GPU_MEM_UTIL:-0.85}; else GPU_MEM_UTIL=${GPU_MEM_UTIL:-0.45}; fi
+export GPU_MEM_UTIL CAPTURE_SIZES=${CAPTURE_SIZES:-1 2 4 8 16 32 64 128}
+if [ -z "${CKPT_DIR:-}" ]; then
+    # the first of these that holds both checkpoints already, else the first with the room
+    need_gb=$(awk -v l="$FLASH_LAYERS" -v g="$GB_PER_LAYER" 'BEGIN { printf "%d", l * g + 4 }')
+    for d in "${RUN_DIR:-${TMPDIR:-/tmp}/cutedsl-gpu}/checkpoints" /dev/shm/cutedsl-checkpoints; do
+        if [ -f "$d/flash$FLASH_LAYERS-nvfp4/config.json" ] && [ -f "$d/flash$FLASH_LAYERS-native/config.json" ]; then
+            CKPT_DIR=$d; break
+        fi
+    done
+    for d in "${RUN_DIR:-${TMPDIR:-/tmp}/cutedsl-gpu}/checkpoints" /dev/shm/cutedsl-checkpoints; do
+        [ -n "${CKPT_DIR:-}" ] && break
+        mkdir -p "$d" && [ "$(df -BG --output=avail "$d" | tail -1 | tr -dc 0-9)" -ge "$need_gb" ] && CKPT_DIR=$d
+    done
+    export CKPT_DIR=${CKPT_DIR:-${RUN_DIR:-${TMPDIR:-/tmp}/cutedsl-gpu}/checkpoints}
+fi
 . "$(dirname "$0")/env.sh"
 BUDGET=${BUDGET:-570}
 STATE=${STATE:-$RUN_DIR/serving_state}
@@ -30,7 +52,6 @@ SHAPES=${SHAPES:-1024x1024 8192x1024}
 CONCS=${CONCS:-1 4 16 64 128}
 REPEATS=${REPEATS:-2}
 PROFILE_CONCS=${PROFILE_CONCS:-1 4 16 64 128}
-GB_PER_LAYER=${GB_PER_LAYER:-7.5}  # both checkpoints together, per layer (3.6 + 3.4 GB, rounded up)
 mkdir -p "$STATE"
 left() { echo $((BUDGET - SECONDS)); }
 note() { echo "$(date -u +%T) [${SECONDS}s] $*" | tee -a "$OUT/summary.txt"; }
@@ -142,17 +163,29 @@ while running "$STATE/prewarm.pid" && [ "$(left)" -gt 60 ]; do sleep 3; done
 [ -f "$STATE/prewarm.ok" ] || note "mHC prewarm did not finish (see prewarm.log); servers compile them"
 cp "$STATE/prewarm.log" "$R/" 2>/dev/null
 
-for n in ours upstream; do start_flash "$n"; done
-for n in ours upstream; do
-    wait_flash "$n" $(( $(left) - 40 )) || { note "$n not healthy yet: call again"; finish; exit 1; }
-done
-note "both servers healthy"
+impl_done() {  # impl_done ours|upstream: every bench point and every profile of it done
+    local c
+    bench_done "$1" "$REPEATS" || return 1
+    for c in $PROFILE_CONCS; do [ -f "$STATE/profile_${1}_c$c.json" ] || return 1; done
+}
+other() { case $1 in ours) echo upstream ;; upstream) echo ours ;; esac; }
 
-for n in ours upstream; do bench_done "$n" 1 || bench_pass "$n" 1; done
-for c in $PROFILE_CONCS; do
-    for n in ours upstream; do profile "$n" "$c"; done
+[ "$ONE_AT_A_TIME" = 1 ] || for n in ours upstream; do impl_done "$n" || start_flash "$n"; done
+for n in ours upstream; do
+    if impl_done "$n"; then
+        [ "$ONE_AT_A_TIME" = 1 ] && stop_flash "$n"
+        continue
+    fi
+    [ "$ONE_AT_A_TIME" = 1 ] && stop_flash "$(other "$n")"
+    start_flash "$n"
+    wait_flash "$n" $(( $(left) - 40 )) || { note "$n not healthy yet: call again"; finish; exit 1; }
+    note "$n healthy"
+    bench_done "$n" 1 || bench_pass "$n" 1
+    for c in $PROFILE_CONCS; do profile "$n" "$c"; done
+    bench_done "$n" "$REPEATS" || bench_pass "$n" "$REPEATS"
+    impl_done "$n" || { note "$n: not done yet: call again"; finish; exit 1; }
+    if [ "$ONE_AT_A_TIME" = 1 ]; then stop_flash "$n"; note "$n: done, server stopped"; fi
 done
-for n in ours upstream; do bench_done "$n" "$REPEATS" || bench_pass "$n" "$REPEATS"; done
 
 if bench_done ours "$REPEATS" && bench_done upstream "$REPEATS"; then
     [ -f "$STATE/copy.json" ] || step copy_bw 60 "$PYTHON" "$REPO/bench/serving.py" copy-bw --out "$STATE/copy.json"
