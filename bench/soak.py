@@ -226,6 +226,65 @@ def _pct(xs: list[float], p: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(p / 100 * len(xs)))], 4)
 
 
+class GreedyProbe:
+    """The greedy check's fixed token-id prompts (5, 40 and 300 tokens, drawn from `rng`), sent
+    one at a time (greedy, 24 tokens, not streamed). `run(when)` returns the outputs (None on an
+    error, which goes to `errors`) and keeps in `cached[when]` how many prompt tokens the server
+    took from its prefix cache for each; `check()` is `greedy_check` over before/repeat/after."""
+
+    LENS = (5, 40, 300)
+
+    def __init__(self, url: str, model: str, rng: random.Random, vocab: int, timeout: float,
+                 details: bool, errors: list[str]) -> None:  # fmt: skip
+        self.url, self.model, self.timeout, self.details = url, model, timeout, details
+        self.prompts = [[rng.randrange(vocab) for _ in range(n)] for n in self.LENS]
+        self.errors = errors
+        self.cached: dict[str, list | None] = {}
+        self.outputs: dict[str, list | None] = {}
+
+    def run(self, when: str) -> list | None:
+        outs, hits = [], []
+        try:
+            for p in self.prompts:
+                info: dict = {}
+                outs.append(complete(self.url, self.model, p, 24, False, self.timeout, info)[0])
+                hit = info.get("cached_tokens")
+                hits.append(hit if hit is not None else (0 if self.details else None))
+        except Exception as e:
+            self.errors.append(f"greedy {when}: {type(e).__name__}: {e}"[:300])
+            self.cached[when] = self.outputs[when] = None
+            return None
+        self.cached[when], self.outputs[when] = hits, outs
+        return outs
+
+    def check(self) -> dict:
+        o = self.outputs
+        return greedy_check(o.get("before"), o.get("repeat"), o.get("after"), self.cached)
+
+
+def memory_growth(samples: list, before, after, warmup_s: float) -> tuple:
+    """(baseline, growth MiB): the baseline is the first sample taken >= warmup_s into the load
+    (pools grow to the largest batch first; `before` when there is none), growth = after -
+    baseline (None when either is unknown). A sample is (s, MiB | [MiB per GPU] | None)."""
+
+    def total(m):
+        return sum(m) if isinstance(m, list) else m
+
+    warm = next((m for ts, m in samples if ts >= warmup_s and m is not None), before)
+    growth = total(after) - total(warm) if warm is not None and after is not None else None
+    return warm, growth
+
+
+def cut_sockets(active: set) -> None:
+    """Shut down every socket in `active` (the server sees the clients disconnect and aborts
+    their requests)."""
+    for sock in list(active):
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -269,28 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     plens = [int(x) for x in args.prompt_lens.split(",")]
     olens = [int(x) for x in args.output_lens.split(",")]
     rng = random.Random(args.seed)
-    fixed = [[rng.randrange(args.vocab) for _ in range(n)] for n in (5, 40, 300)]
-
     lat, ttft, errors, lock = [], [], [], threading.Lock()
 
-    cached: dict[str, list | None] = {}
-
-    def greedy(when: str) -> list | None:
-        """The fixed prompts one at a time (sequential, greedy, 24 tokens), with how many
-        prompt tokens the server took from its prefix cache for each."""
-        outs, hits = [], []
-        try:
-            for p in fixed:
-                info: dict = {}
-                outs.append(complete(args.url, args.model, p, 24, False, args.timeout, info)[0])
-                hit = info.get("cached_tokens")
-                hits.append(hit if hit is not None else (0 if args.prompt_tokens_details else None))
-        except Exception as e:
-            errors.append(f"greedy {when}: {type(e).__name__}: {e}"[:300])
-            cached[when] = None
-            return None
-        cached[when] = hits
-        return outs
+    probe = GreedyProbe(args.url, args.model, rng, args.vocab, args.timeout,
+                        args.prompt_tokens_details, errors)  # fmt: skip
+    greedy, cached = probe.run, probe.cached
 
     def memory() -> int | list[int] | None:
         return server_memory_mib(args.server_pid) if args.server_pid else gpu_memory_mib()
@@ -349,27 +391,14 @@ def main(argv: list[str] | None = None) -> int:
         # Cut what still runs, so that the greedy check after the load sees an idle server
         # (a batch of other requests would change its numerics).
         cutting.set()
-        for sock in list(active):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        cut_sockets(active)
         t_cut = time.monotonic() + 5
         for t in threads:
             t.join(max(0.0, t_cut - time.monotonic()))
         time.sleep(2.0)  # the server aborts the closed requests
     wall = time.monotonic() - t0
     greedy_after, mem_after = greedy("after"), memory()
-
-    def _total(m):
-        return sum(m) if isinstance(m, list) else m
-
-    warm = next(
-        (m for ts, m in samples if ts >= args.memory_warmup_s and m is not None), mem_before
-    )
-    growth = (
-        _total(mem_after) - _total(warm) if warm is not None and mem_after is not None else None
-    )
+    warm, growth = memory_growth(samples, mem_before, mem_after, args.memory_warmup_s)
     result = {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -393,10 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         "memory_flat": growth is not None and growth <= args.memory_tolerance_mib,
         "greedy_identical": greedy_before is not None and greedy_before == greedy_after,
         "greedy_repeatable_idle": greedy_before is not None and greedy_before == greedy_repeat,
-        "greedy_prompt_lens": [len(p) for p in fixed],
+        "greedy_prompt_lens": [len(p) for p in probe.prompts],
         "greedy_outputs": {"before": greedy_before, "repeat": greedy_repeat, "after": greedy_after},
         "greedy_cached_tokens": cached,
-        **greedy_check(greedy_before, greedy_repeat, greedy_after, cached),
+        **probe.check(),
     }
     text = json.dumps(result, indent=2)
     print(text)
