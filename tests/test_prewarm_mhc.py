@@ -4,6 +4,7 @@ that serve.sh runs it. (The compiles themselves need a GPU: scripts/gpu/serve_so
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -109,10 +110,31 @@ def test_serve_script_prewarms_before_vllm_serve() -> None:
 # --------------------------------------------------------------------------- the fast path
 
 
-def _tilelang_entry(root: Path, key: str) -> None:
+TVM_FFI_FILES = ["device_kernel.cu", "executable.so", "host_kernel.cu", "params.pkl"]
+
+
+def _tilelang_entry(root: Path, key: str) -> dict[str, list[str]]:
     (root / key).mkdir(parents=True)
-    for f in pw.TILELANG_ENTRY_FILES:
+    for f in TVM_FFI_FILES:
         (root / key / f).write_bytes(b"x")
+    return {key: TVM_FFI_FILES}
+
+
+def test_cache_keys_read_from_tilelangs_backend_caches() -> None:
+    """The installed TileLang: a kernel in the tvm_ffi backend's cache (the one vLLM's mHC
+    kernels use) is reported with that backend's entry files; a bare KernelCache() is a separate,
+    empty instance and would report nothing."""
+    from tilelang.cache import _dispatch_map
+
+    cache = _dispatch_map["tvm_ffi"]
+    key = "cutedsl-test-" + os.urandom(4).hex()
+    cache._memory_cache[key] = object()
+    try:
+        root, entries = pw._tilelang_cache_keys()
+    finally:
+        del cache._memory_cache[key]
+    assert entries[key] == TVM_FFI_FILES
+    assert Path(cache._get_cache_path(key)) == Path(root) / key
 
 
 def _tiny_model(tmp_path: Path) -> Path:
@@ -127,9 +149,9 @@ def test_stamp_round_trip_and_every_way_it_goes_stale(tmp_path: Path) -> None:
     cfg = {"hidden_size": 64, "hc_mult": 4}
     fp = pw.fingerprint(cfg, ("NVIDIA H200", 132))
     assert pw.cached_everything(cache, fp) == (False, "no stamp of a previous prewarm")
-    for k in ("k1", "k2", "k3"):
-        _tilelang_entry(root, k)
-    assert pw.write_stamp(cache, fp, [(str(root), ["k1", "k2"]), (str(root), ["k2", "k3"])])
+    e = {k: v for k in ("k1", "k2", "k3") for k, v in _tilelang_entry(root, k).items()}
+    assert pw.write_stamp(cache, fp, [(str(root), {"k1": e["k1"], "k2": e["k2"]}),
+                                      (str(root), {"k2": e["k2"], "k3": e["k3"]})])  # fmt: skip
     ok, what = pw.cached_everything(cache, fp)
     assert ok and what.startswith("3 kernels")
     # another GPU (SM count), another config: another stamp
@@ -138,7 +160,7 @@ def test_stamp_round_trip_and_every_way_it_goes_stale(tmp_path: Path) -> None:
         cache, pw.fingerprint({**cfg, "hc_mult": 2}, ("NVIDIA H200", 132))
     )[0]
     # an entry that lost a file (TileLang would recompile it)
-    (root / "k2" / "kernel_lib.so").unlink()
+    (root / "k2" / "executable.so").unlink()
     ok, why = pw.cached_everything(cache, fp)
     assert not ok and "1 of 3 kernels no longer" in why
     pw.stamp_path(cache, fp).write_text("{")
@@ -147,8 +169,10 @@ def test_stamp_round_trip_and_every_way_it_goes_stale(tmp_path: Path) -> None:
 
 def test_no_stamp_when_a_worker_could_not_report(tmp_path: Path) -> None:
     fp = pw.fingerprint({"hidden_size": 64}, ("g", 1))
-    assert pw.write_stamp(tmp_path, fp, [("r", ["k"]), None]) is None
+    assert pw.write_stamp(tmp_path, fp, [("r", {"k": ["f"]}), None]) is None
     assert pw.write_stamp(tmp_path, fp, []) is None
+    assert pw.write_stamp(tmp_path, fp, [("r", {}), ("r", {})]) is None  # no kernel reported
+    assert pw.write_stamp(tmp_path, fp, [("r", {"k": ["f"]}), ("s", {"j": ["f"]})]) is None
     assert not pw.stamp_path(tmp_path, fp).exists()
 
 
@@ -173,8 +197,7 @@ def test_fast_path_spawns_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(pw, "_vllm_num_split", forbidden)
     fp = pw.fingerprint(pw.mhc_config(model), ("NVIDIA H200", 132))
     root = cache / "ns" / "kernels"
-    _tilelang_entry(root, "k1")
-    pw.write_stamp(cache, fp, [(str(root), ["k1"])])
+    pw.write_stamp(cache, fp, [(str(root), _tilelang_entry(root, "k1"))])
     out_json = tmp_path / "out.json"
     assert pw.main([str(model), "--json", str(out_json)]) == 0
     assert "nothing to do, 1 kernels" in capsys.readouterr().out

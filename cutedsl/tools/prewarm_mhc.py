@@ -21,10 +21,11 @@ inputs: nothing of vLLM is patched. Needs a CUDA GPU. Exit status 0 when every c
 
 Fast path: after a run in which every call succeeded, a stamp
 (`<TILELANG_CACHE_DIR>/cutedsl-prewarm-mhc/<fingerprint>.json`) lists the TileLang cache entries
-the workers compiled or loaded (TileLang's in-memory cache keys). The fingerprint is everything
+the workers compiled or loaded (the in-memory cache keys of TileLang's per-backend caches) and
+the files each complete entry has on disk. The fingerprint is everything
 that decides which kernels are needed (the mHC arguments, the GPU's name and SM count, the vLLM,
 TileLang and torch versions). When the stamp of this fingerprint exists and every entry it lists
-is still a complete TileLang cache folder, the prewarm stops there: no worker process, no vLLM
+still has all its files, the prewarm stops there: no worker process, no vLLM
 import, no kernel load. Anything else (no stamp, a missing or incomplete entry, an unreadable
 stamp) runs the full prewarm, which writes a new stamp.
 """
@@ -145,13 +146,25 @@ def _run_counts(cfg: dict, counts: list[int], done: mp.Queue | None) -> None:
             done.put(t)
 
 
-def _tilelang_cache_keys() -> tuple[str, list[str]] | None:
-    """(TileLang's kernel cache folder, the keys of every kernel this process compiled or
-    loaded), or None when this TileLang does not expose them."""
+def _tilelang_cache_keys() -> tuple[str, dict[str, list[str]]] | None:
+    """(TileLang's kernel cache folder, {key: the files of its complete disk entry}) for every
+    kernel this process compiled or loaded, or None when this TileLang does not expose them.
+
+    TileLang keeps one cache per execution backend (`tilelang.cache._dispatch_map`: tvm_ffi,
+    cython, nvrtc, ...), each a singleton of its own subclass with its own memory cache and its own
+    entry files (tvm_ffi stores `executable.so`, cython `kernel_lib.so`): a bare `KernelCache()` is
+    a separate, empty instance."""
     try:
+        from tilelang.cache import _dispatch_map
         from tilelang.cache.kernel_cache import KernelCache
 
-        return KernelCache._get_cache_root(), sorted(KernelCache()._memory_cache)
+        entries: dict[str, list[str]] = {}
+        for cache in {id(c): c for c in _dispatch_map.values()}.values():
+            for key in list(cache._memory_cache):
+                path = cache._get_cache_path(key)
+                files = cache._get_complete_cache_files(path)
+                entries[key] = sorted(os.path.relpath(f, path) for f in files)
+        return KernelCache._get_cache_root(), entries
     except (ImportError, AttributeError):
         return None
 
@@ -166,8 +179,6 @@ def _worker(cfg: dict, counts: list[int], done: mp.Queue, errors: mp.Queue, used
 
 
 STAMP_DIR = "cutedsl-prewarm-mhc"
-# A complete TileLang cache entry (tilelang 0.1.9 KernelCache._get_complete_cache_files).
-TILELANG_ENTRY_FILES = ("device_kernel.cu", "host_kernel.cu", "kernel_lib.so", "params.pkl")
 
 
 def fingerprint(cfg: dict, gpu: tuple[str, int]) -> dict:
@@ -197,29 +208,37 @@ def cached_everything(cache: str | Path, fp: dict) -> tuple[bool, str]:
     path = stamp_path(cache, fp)
     try:
         stamp = json.loads(path.read_text())
-        root, keys = Path(stamp["cache_root"]), stamp["kernels"]
-        if stamp["fingerprint"] != fp or not isinstance(keys, list) or not keys:
+        root, kernels = Path(stamp["cache_root"]), stamp["kernels"]
+        if stamp["fingerprint"] != fp:
             return False, f"{path} is of another configuration"
+        if not isinstance(kernels, dict) or not kernels:
+            return False, f"{path} lists no kernels"
+        missing = [k for k, files in kernels.items() if not files
+                   or not all((root / k / f).is_file() for f in files)]  # fmt: skip
     except FileNotFoundError:
         return False, "no stamp of a previous prewarm"
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         return False, f"{path} unreadable ({type(e).__name__})"
-    missing = [k for k in keys if not all((root / k / f).is_file() for f in TILELANG_ENTRY_FILES)]
     if missing:
-        return False, f"{len(missing)} of {len(keys)} kernels no longer in {root}"
-    return True, f"{len(keys)} kernels in {root}"
+        return False, f"{len(missing)} of {len(kernels)} kernels no longer in {root}"
+    return True, f"{len(kernels)} kernels in {root}"
 
 
 def write_stamp(cache: str | Path, fp: dict, used: list) -> Path | None:
-    """Record the kernels the workers used (atomically: a temporary file renamed into place)."""
-    roots = {u[0] for u in used if u}
-    if not used or any(u is None for u in used) or len(roots) != 1:
+    """Record the kernels the workers used, each with the files of its complete entry (atomically:
+    a temporary file renamed into place). None, and nothing written, when a worker could not
+    report, the workers disagree on the cache folder, or no kernel was reported."""
+    if not used or any(u is None for u in used) or len({u[0] for u in used}) != 1:
         return None
-    keys = sorted({k for _, ks in used for k in ks})
+    kernels: dict[str, list[str]] = {}
+    for _, entries in used:
+        kernels.update(entries)
+    if not kernels:
+        return None
     path = stamp_path(cache, fp)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"fingerprint": fp, "cache_root": roots.pop(), "kernels": keys},
+    tmp.write_text(json.dumps({"fingerprint": fp, "cache_root": used[0][0], "kernels": kernels},
                               indent=1))  # fmt: skip
     os.replace(tmp, path)
     return path
@@ -350,7 +369,7 @@ def _main(a) -> int:
                              "workers": len(parts), "seconds": seconds, "ok": not failed,
                              "errors": failed, "stamp": str(stamp) if stamp else None})  # fmt: skip
     if not failed and stamp is None:
-        print("prewarm_mhc: warning: TileLang's cache keys were not readable; no stamp written "
+        print("prewarm_mhc: warning: TileLang's cache entries were not readable; no stamp written "
               "(the next start runs the full prewarm again)", file=sys.stderr)  # fmt: skip
     if failed:
         for f in failed:
