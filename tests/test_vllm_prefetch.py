@@ -90,3 +90,33 @@ def test_start_never_raises(monkeypatch) -> None:
 
     monkeypatch.setattr(prefetch, "kernel_jobs", broken)
     prefetch.start(torch.nn.Module())  # logs, does not raise
+
+
+def test_our_log_lines_go_through_vllms_handler() -> None:
+    """Inside vLLM, an INFO line of a cutedsl module reaches vLLM's handler (formatted like vLLM's
+    own lines), not Python's last-resort handler, which drops INFO."""
+    import logging
+
+    import cutedsl.vllm  # noqa: F401
+
+    theirs = logging.getLogger("vllm")
+    assert theirs.handlers, "vLLM's logging is not configured in this test process"
+    seen: list[logging.LogRecord] = []
+
+    class Probe(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    probe = Probe()
+    theirs.addHandler(probe)
+    ours = logging.getLogger("cutedsl")
+    ours.addHandler(
+        probe
+    )  # the handler list was copied at import; a probe on both sees either path
+    try:
+        logging.getLogger("cutedsl.vllm.prefetch").info("probe %d", 7)
+    finally:
+        theirs.removeHandler(probe)
+        ours.removeHandler(probe)
+    assert [r.getMessage() for r in seen] == ["probe 7"]
+    assert set(theirs.handlers) <= set(ours.handlers) and not ours.propagate

@@ -10,3 +10,23 @@ Imported only inside a vLLM process (they import vLLM); the math lives in the ru
   checks       loading: name the tensor behind a loader error; fail on missing NVFP4 tensors
   prefetch     our kernels compiled in background processes while the weights load
 """
+
+import logging
+
+import vllm.logger  # noqa: F401  (configures vLLM's "vllm" logger: its handler, format and level)
+
+
+def _log_like_vllm() -> None:
+    """Our modules log under "cutedsl.*", outside the "vllm" logger tree that holds vLLM's only
+    handler: without this, their INFO lines are dropped and their warnings print bare. Nothing is
+    done when vLLM's logging is off (VLLM_CONFIGURE_LOGGING=0) or ours is configured already."""
+    ours, theirs = logging.getLogger("cutedsl"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
+_log_like_vllm()
