@@ -54,12 +54,13 @@ class StreamTactic:
 
 
 def tactics_for(m: int, n: int) -> list[StreamTactic]:
-    """Every tactic that takes m tokens of an N-row weight (the bench's sweep)."""
+    """Every tactic that takes m tokens of an N-row weight (the bench's sweep). Two CTAs per SM
+    only with one warpgroup: two CTAs of 288 threads at the two-warpgroup kernel's 120-128
+    registers do not fit an SM's 64 K registers."""
     return [
         StreamTactic(w, tm, c)
-        for w in (1, 2)
+        for w, c in ((1, 1), (1, 2), (2, 1))
         for tm in (16, 32)
-        for c in (1, 2)
         if m <= tm and n % (64 * w) == 0
     ]
 
