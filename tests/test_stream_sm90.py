@@ -378,3 +378,30 @@ def test_gpu_matches_the_torch_statement() -> None:
         out = _poison((m, n))
         ST.linear(a, sw, out, tactic=tactic)
         _assert_close(out, want, str(tactic))
+
+
+def test_bench_has_the_stream_column() -> None:
+    """The GEMM bench times the stream design next to ours at M <= 32 (dense and wo_a): its
+    applicability, the derived ratios, and the MD columns (blank past M = 32)."""
+    from cutedsl.bench import gemm_sm90 as B
+
+    shapes = {s.name: s for s in B.SHAPES["flash"]}
+    assert "stream" in B.IMPLS
+    assert B.stream_applies(shapes["wq_b"], 1) is None
+    assert B.stream_applies(shapes["wo_a(G=8)"], 32) is None
+    assert B.stream_applies(shapes["wq_b"], 64).startswith("n/a")
+    assert B.stream_applies(shapes["routed_w13(E=256)"], 1).startswith("n/a")
+    r = B.new_row("flash", shapes["wq_b"], 1)
+    r.update(us=9.0, stream_us=6.0, copy_us=5.4, stream_tactic="stream2x16x1")
+    r = B.finalize_row(r, 4000.0)
+    assert r["x_stream"] == 1.5 and r["pct_copy_time_stream"] == 90.0
+    big = B.finalize_row(dict(B.new_row("flash", shapes["wq_b"], 64), us=20.0), 4000.0)
+    md = B.format_md(
+        dict(date="d", command="c", header=[], stopped_early="", device="x"), [r, big]
+    ).splitlines()
+    table = [ln for ln in md if ln.startswith("|")]
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in table[2:]]
+    i = head.index("ours/stream")
+    assert cells[0][i] == "1.50" and cells[1][i] == ""
+    assert cells[0][head.index("stream tactic")] == "stream2x16x1"
