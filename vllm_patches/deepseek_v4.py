@@ -67,7 +67,7 @@ from .utils import (
     maybe_prefix,
 )
 
-from cutedsl.vllm.checks import checked_load  # CuTeDSL NVFP4 hooks
+from cutedsl.vllm.checks import checked_construction, checked_load  # CuTeDSL NVFP4 hooks
 from cutedsl.vllm.names import HF_TO_NATIVE_REGEX
 from cutedsl.vllm.quant import dsv4_quant_config, nvfp4_moe_method_for_fp8_config
 from cutedsl.vllm.shared_mlp import shared_mlp_method
@@ -1643,6 +1643,7 @@ class DeepseekV4ForCausalLM(nn.Module, SupportsPP):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
+        checked_construction(vllm_config)  # CuTeDSL: checkpoint faults before any allocation
 
         config = vllm_config.model_config.hf_config
         self.config = config

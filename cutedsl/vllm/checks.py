@@ -12,20 +12,35 @@ ValueError naming every missing parameter (and, for routed experts, which it tra
 every missing checkpoint tensor). FP8 / MXFP4 / BF16 models get only the note (upstream otherwise).
 Before the first tensor is read, models with our methods start compiling their kernels in the
 background (`cutedsl.vllm.prefetch`), so the compiles overlap the weight loading.
+
+Hook at the start of `DeepseekV4ForCausalLM.__init__` (deepseek_v4.py), before any layer (and
+so any weight or buffer) is created:
+    checked_construction(vllm_config)
+which runs `cutedsl.vllm.preflight.check_checkpoint` on a local checkpoint folder (safetensors
+headers only: truncated shards, an index naming a missing shard, missing or mis-typed scales, an
+expert count the tensors disagree with) and raises its one-line CheckpointFault, so that the
+engine fails before it allocates the weights and the KV cache. A model that is not a local folder
+(a Hub id: the weights download later) or another --load-format is logged and left to the load.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 
 import regex as re
 import torch
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
 from cutedsl.vllm import prefetch
 from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod
 from cutedsl.vllm.moe_experts import CuTeDSLModelOptNvFp4FusedMoE
 from cutedsl.vllm.names import HF_TO_NATIVE_REGEX
+from cutedsl.vllm.preflight import INDEX, check_checkpoint
+
+logger = init_logger(__name__)
 
 # Created by upstream vLLM 0.21.0, absent from DeepSeek's checkpoints, unused in forward.
 UNLOADED_UPSTREAM = (".indexer.k_norm.",)
@@ -47,11 +62,16 @@ class _Tracked:
         self.seen: set[str] = set()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self._weights:
+        it = iter(self._weights)
+        while True:
+            self.current = None  # an error while reading the next tensor is not about this one
+            try:
+                name, tensor = next(it)
+            except StopIteration:
+                return
             self.current = (name, tensor)
             self.seen.add(name)
             yield name, tensor
-        self.current = None
 
 
 def _missing(model: torch.nn.Module, loaded: set[str], seen: set[str]) -> list[str]:
@@ -110,3 +130,27 @@ def checked_load(
                 f"DeepSeek V4 NVFP4 checkpoint is missing tensors: {', '.join(missing[:20])}{more}"
             )
     return loaded
+
+
+def checked_construction(vllm_config: VllmConfig) -> None:
+    """The checkpoint checks that need no weights (module docstring); raises CheckpointFault."""
+    folder = vllm_config.model_config.model
+    fmt = str(vllm_config.load_config.load_format)
+    if fmt not in ("auto", "safetensors"):
+        logger.info("Checkpoint pre-check skipped: --load-format %s", fmt)
+        return
+    if not os.path.isdir(folder):
+        logger.info("Checkpoint pre-check skipped: %s is not a local folder", folder)
+        return
+    if not os.path.isfile(os.path.join(folder, INDEX)) and not any(
+        f.endswith(".safetensors") for f in os.listdir(folder)
+    ):
+        logger.info("Checkpoint pre-check skipped: no safetensors files in %s", folder)
+        return
+    hf = vllm_config.model_config.hf_config
+    n = check_checkpoint(
+        folder,
+        getattr(hf, "n_routed_experts", None),
+        getattr(hf, "quantization_config", None),
+    )
+    logger.info("Checkpoint %s: %d tensors pass the pre-check (files, scales, experts)", folder, n)
