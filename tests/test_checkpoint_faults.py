@@ -70,19 +70,12 @@ def _header(path: Path) -> tuple[int, dict]:
     return n, meta
 
 
-def _rewrite(ck: Path, tensor: str, change) -> Path:
-    """Apply change(dict of the shard's tensors) to the shard holding `tensor`; keep the index
-    in step (a tensor the change removes leaves the index too)."""
-    from safetensors.torch import load_file, save_file
-
-    idx = _index(ck)
-    shard = ck / idx["weight_map"][tensor]
-    ts = load_file(shard)
-    change(ts)
-    save_file(ts, shard, metadata={"format": "pt"})
-    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if k in ts or v != shard.name}
-    (ck / "model.safetensors.index.json").write_text(json.dumps(idx))
-    return shard
+_spec = importlib.util.spec_from_file_location(
+    "checkpoint_faults", REPO / "bench" / "checkpoint_faults.py"
+)
+cf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cf)
+_rewrite = cf.rewrite
 
 
 def _check(ck: Path) -> int:
@@ -291,30 +284,13 @@ def test_error_while_reading_is_not_blamed_on_the_previous_tensor() -> None:
 # ---------------------------------------------------------------------------------------------
 # Through vLLM: raised at construction, before any tensor exists (subprocess harness)
 
-FAULTS = ("clean", "truncated", "missing_scale", "scale_dtype", "scale_shape", "experts",
-          "missing_shard")  # fmt: skip
+FAULTS = ("clean", *cf.FAULTS)
 
 
 def _make_fault(pristine: Path, root: Path, fault: str) -> Path:
-    ck = _copy(pristine, "nvfp4", root / fault)
-    t = "layers.1.attn.wq_b.weight_scale"
-    if fault == "truncated":
-        shard = ck / sorted(set(_index(ck)["weight_map"].values()))[-1]
-        with open(shard, "r+b") as f:
-            f.truncate(shard.stat().st_size - 1000)
-    elif fault == "missing_scale":
-        _rewrite(ck, t, lambda ts: ts.pop(t))
-    elif fault == "scale_dtype":
-        _rewrite(ck, t, lambda ts: ts.update({t: ts[t].float()}))
-    elif fault == "scale_shape":
-        _rewrite(ck, t, lambda ts: ts.update({t: ts[t][:, :-1].contiguous()}))
-    elif fault == "experts":
-        cfg = json.loads((ck / "config.json").read_text())
-        cfg["n_routed_experts"] = 16
-        (ck / "config.json").write_text(json.dumps(cfg))
-    elif fault == "missing_shard":
-        (ck / sorted(set(_index(ck)["weight_map"].values()))[-1]).unlink()
-    return ck
+    if fault == "clean":
+        return _copy(pristine, "nvfp4", root / fault)
+    return cf.make_fault(pristine / "nvfp4", root / fault, fault)
 
 
 def _harness(out: str, cases: list[str]) -> None:
@@ -393,3 +369,48 @@ def test_vllm_raises_at_construction_before_any_allocation(pristine: Path, tmp_p
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--harness"]:
     _harness(sys.argv[2], sys.argv[3:])
+
+
+def test_fault_runner_judges_exit_message_and_leftovers(pristine: Path, tmp_path: Path) -> None:
+    """bench/checkpoint_faults.py with stand-in servers: one that fails as vLLM does (the
+    pre-check's line, exit 1) passes; one that names another tensor, one that exits 0, one that
+    leaves a child running and one that hangs past --timeout each fail."""
+    fake = tmp_path / "server.py"
+    fake.write_text(
+        "import json, subprocess, sys, time\n"
+        "from cutedsl.vllm.preflight import check_checkpoint\n"
+        "ck, mode = sys.argv[1], sys.argv[2]\n"
+        "cfg = json.load(open(ck + '/config.json'))\n"
+        "try:\n"
+        "    check_checkpoint(ck, cfg['n_routed_experts'], cfg.get('quantization_config'))\n"
+        "except Exception as e:\n"
+        "    msg = str(e) if mode != 'wrong' else str(e).replace('layers', 'xlayers')\n"
+        "    print('ERROR cutedsl.vllm.preflight.CheckpointFault: ' + msg, flush=True)\n"
+        "if mode == 'leave':\n"
+        "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "if mode == 'hang':\n"
+        "    time.sleep(60)\n"
+        "sys.exit(0 if mode == 'exit0' else 1)\n"
+    )
+    src = pristine / "nvfp4"
+    results = {}
+    for mode in ("vllm", "wrong", "exit0", "leave", "hang"):
+        out = tmp_path / f"{mode}.json"
+        rc = cf.main(["--src", str(src), "--work", str(tmp_path / mode), "--out", str(out),
+                      "--faults", "missing_scale,experts", "--timeout", "8", "--",
+                      sys.executable, str(fake), "{ckpt}", mode])  # fmt: skip
+        results[mode] = (rc, json.loads(out.read_text()))
+    rc, doc = results["vllm"]
+    assert rc == 0 and doc["ok"], doc
+    r = doc["faults"]["missing_scale"]
+    assert (
+        r["exit_code"] == 1
+        and r["left_running"] == []
+        and "weight_scale is missing" in r["message"]
+    )
+    assert doc["faults"]["experts"]["message"].endswith("experts missing)")
+    for mode in ("wrong", "exit0", "leave", "hang"):
+        rc, doc = results[mode]
+        assert rc == 1 and not any(r["ok"] for r in doc["faults"].values()), (mode, doc)
+    assert all(r["left_running"] for r in results["leave"][1]["faults"].values())
+    assert all(r["timed_out"] for r in results["hang"][1]["faults"].values())
