@@ -10,6 +10,8 @@
 #              servers' pid files, logs and profiler traces, the serving benchmark's partial
 #              results (default: ${TMPDIR:-/tmp}/cutedsl-gpu).
 #   CKPT_DIR   generated checkpoints (default: checkpoints/ of this checkout).
+#   CKPT_DIR_UPSTREAM  upstream's flash-layers checkpoint, where it must live apart from ours
+#              (default: CKPT_DIR).
 #
 # Two vLLM trees side by side, so that upstream and ours can run at the same time on one GPU:
 #   "${UPSTREAM[@]}" CMD  runs CMD on the vLLM that $PYTHON imports, which must be pristine
@@ -31,7 +33,7 @@ OUT=$(cd "$OUT" && pwd)
 R=$OUT   # every result file of a driver goes here
 RUN_DIR=${RUN_DIR:-${TMPDIR:-/tmp}/cutedsl-gpu}
 CKPT_DIR=${CKPT_DIR:-$REPO/checkpoints}
-mkdir -p "$RUN_DIR" "$CKPT_DIR"
+mkdir -p "$RUN_DIR" "$CKPT_DIR" ${CKPT_DIR_UPSTREAM:+"$CKPT_DIR_UPSTREAM"}
 # Empty when $PYTHON has no vLLM: make_ours then fails; step and device_info still work.
 SITE_VLLM=${SITE_VLLM:-$(cd / && "$PYTHON" -c 'import os, vllm; print(os.path.dirname(vllm.__file__))' 2>/dev/null)}
 OURS_DIR=$RUN_DIR/vllm_ours
@@ -104,7 +106,12 @@ FLASH_ARGS=(--served-model-name flash --max-model-len 10240 --max-num-seqs "$MAX
     --cudagraph-capture-sizes $CAPTURE_SIZES --enable-prompt-tokens-details)
 flash_port() { case $1 in ours) echo 8001 ;; upstream) echo 8002 ;; esac; }
 flash_prof_dir() { echo "$RUN_DIR/prof_flash_$1"; }
-flash_ckpt() { case $1 in ours) echo "$CKPT_DIR/$FLASH_TAG-nvfp4" ;; upstream) echo "$CKPT_DIR/$FLASH_TAG-native" ;; esac; }
+flash_ckpt() {  # flash_ckpt ours|upstream|nvfp4|native
+    case $1 in
+        ours | nvfp4) echo "$CKPT_DIR/$FLASH_TAG-nvfp4" ;;
+        upstream | native) echo "${CKPT_DIR_UPSTREAM:-$CKPT_DIR}/$FLASH_TAG-native" ;;
+    esac
+}
 healthy() { curl -sf -m 5 "http://127.0.0.1:$1/health" >/dev/null; }
 start_flash() {  # start_flash ours|upstream (no-op when it is healthy or still starting)
     local port prof
@@ -158,8 +165,8 @@ stop_flash() {  # stop_flash NAME...: SIGTERM each server's process group, SIGKI
 gen_flash() {  # gen_flash TIMEOUT: the flash-layers checkpoints (nvfp4 for ours, native for upstream), once
     local f rc=0
     for f in nvfp4 native; do
-        [ -f "$CKPT_DIR/$FLASH_TAG-$f/config.json" ] && continue
-        step "gen_flash_$f" "$1" "$PYTHON" -m cutedsl.tools.tiny_model "$CKPT_DIR/$FLASH_TAG-$f" \
+        [ -f "$(flash_ckpt "$f")/config.json" ] && continue
+        step "gen_flash_$f" "$1" "$PYTHON" -m cutedsl.tools.tiny_model "$(flash_ckpt "$f")" \
             --preset flash-layers ${FLASH_LAYERS:+--layers "$FLASH_LAYERS"} --format "$f" \
             --device cuda --force || rc=1
     done

@@ -20,7 +20,8 @@
 #   3. the copy bandwidth, then bench/serving.py report: serving.json/.md/.png.
 # Checkpoints go to CKPT_DIR (default $RUN_DIR/checkpoints, outside the checkout: a checkout
 # carried to the GPU machine is replaced on every call; /dev/shm/cutedsl-checkpoints when the disk
-# lacks the room and memory has it).
+# lacks the room and memory has it; when neither holds both, upstream's goes to /dev/shm,
+# CKPT_DIR_UPSTREAM).
 # COMMIT names the code's commit in the results where the checkout has no git metadata.
 # Servers and generators run in their own process groups and outlive a call; state accumulates in
 # $STATE. Every call copies the results into $OUT (serving.*, serve_*.json, profile_*.json/.md,
@@ -32,18 +33,30 @@ export FLASH_LAYERS=${FLASH_LAYERS:-8} MAX_NUM_SEQS=${MAX_NUM_SEQS:-128}
 if [ "$ONE_AT_A_TIME" = 1 ]; then GPU_MEM_UTIL=${GPU_MEM_UTIL:-0.85}; else GPU_MEM_UTIL=${GPU_MEM_UTIL:-0.45}; fi
 export GPU_MEM_UTIL CAPTURE_SIZES=${CAPTURE_SIZES:-1 2 4 8 16 32 64 128}
 if [ -z "${CKPT_DIR:-}" ]; then
-    # the first of these that holds both checkpoints already, else the first with the room
+    # the first of these that holds both checkpoints already, else the first with the room for
+    # both, else ours in the first with the room for one and upstream's in the other
+    dirs=("${RUN_DIR:-${TMPDIR:-/tmp}/cutedsl-gpu}/checkpoints" /dev/shm/cutedsl-checkpoints)
+    free_gb() { mkdir -p "$1" 2>/dev/null && df -BG --output=avail "$1" | tail -1 | tr -dc 0-9; }
     need_gb=$(awk -v l="$FLASH_LAYERS" -v g="$GB_PER_LAYER" 'BEGIN { printf "%d", l * g + 4 }')
-    for d in "${RUN_DIR:-${TMPDIR:-/tmp}/cutedsl-gpu}/checkpoints" /dev/shm/cutedsl-checkpoints; do
+    half_gb=$(awk -v l="$FLASH_LAYERS" -v g="$GB_PER_LAYER" 'BEGIN { printf "%d", l * g / 2 + 2 }')
+    for d in "${dirs[@]}"; do
         if [ -f "$d/flash$FLASH_LAYERS-nvfp4/config.json" ] && [ -f "$d/flash$FLASH_LAYERS-native/config.json" ]; then
             CKPT_DIR=$d; break
         fi
     done
-    for d in "${RUN_DIR:-${TMPDIR:-/tmp}/cutedsl-gpu}/checkpoints" /dev/shm/cutedsl-checkpoints; do
+    if [ -z "${CKPT_DIR:-}" ] && [ -f "${dirs[0]}/flash$FLASH_LAYERS-nvfp4/config.json" ] \
+        && [ -f "${dirs[1]}/flash$FLASH_LAYERS-native/config.json" ]; then
+        CKPT_DIR=${dirs[0]} CKPT_DIR_UPSTREAM=${dirs[1]}
+    fi
+    for d in "${dirs[@]}"; do
         [ -n "${CKPT_DIR:-}" ] && break
-        mkdir -p "$d" && [ "$(df -BG --output=avail "$d" | tail -1 | tr -dc 0-9)" -ge "$need_gb" ] && CKPT_DIR=$d
+        [ "$(free_gb "$d")" -ge "$need_gb" ] 2>/dev/null && CKPT_DIR=$d
     done
-    export CKPT_DIR=${CKPT_DIR:-${RUN_DIR:-${TMPDIR:-/tmp}/cutedsl-gpu}/checkpoints}
+    if [ -z "${CKPT_DIR:-}" ] && [ "$(free_gb "${dirs[0]}")" -ge "$half_gb" ] 2>/dev/null \
+        && [ "$(free_gb "${dirs[1]}")" -ge "$half_gb" ] 2>/dev/null; then
+        CKPT_DIR=${dirs[0]} CKPT_DIR_UPSTREAM=${dirs[1]}
+    fi
+    export CKPT_DIR=${CKPT_DIR:-${dirs[0]}} CKPT_DIR_UPSTREAM=${CKPT_DIR_UPSTREAM:-}
 fi
 . "$(dirname "$0")/env.sh"
 BUDGET=${BUDGET:-570}
@@ -52,6 +65,7 @@ SHAPES=${SHAPES:-1024x1024 8192x1024}
 CONCS=${CONCS:-1 4 16 64 128}
 REPEATS=${REPEATS:-2}
 PROFILE_CONCS=${PROFILE_CONCS:-1 4 16 64 128}
+MIN_RUN_S=${MIN_RUN_S:-40}  # the shortest measured run of one bench point
 mkdir -p "$STATE"
 left() { echo $((BUDGET - SECONDS)); }
 note() { echo "$(date -u +%T) [${SECONDS}s] $*" | tee -a "$OUT/summary.txt"; }
@@ -61,28 +75,34 @@ finish() {
     cp "$STATE"/serving.* "$STATE"/serve_*.json "$STATE"/profile_*.json "$STATE"/profile_*.md \
         "$STATE"/ckpt_bytes_*.txt "$STATE"/copy.json "$STATE"/gen_*.log "$R"/ 2>/dev/null
     cp "$RUN_DIR"/serve_flash_*.log "$R"/ 2>/dev/null
-    df -h "$CKPT_DIR" >"$R/df.txt" 2>&1
+    df -h "$CKPT_DIR" ${CKPT_DIR_UPSTREAM:+"$CKPT_DIR_UPSTREAM"} >"$R/df.txt" 2>&1
 }
 
 # --- 1. checkpoints and the mHC kernels, in the background ---
 gen_done() { [ -f "$(flash_ckpt ours)/config.json" ] && [ -f "$(flash_ckpt upstream)/config.json" ]; }
 running() { local pid; pid=$(cat "$1" 2>/dev/null) && kill -0 "$pid" 2>/dev/null; }
 start_gen() {
-    local f need free
-    need=$(awk -v l="$FLASH_LAYERS" -v g="$GB_PER_LAYER" 'BEGIN { printf "%d", l * g + 4 }')
-    free=$(df -BG --output=avail "$CKPT_DIR" | tail -1 | tr -dc 0-9)
-    if [ "$free" -lt "$need" ]; then
-        note "not enough disk for $FLASH_LAYERS layers: $free GB free in $CKPT_DIR, need $need GB"
-        return 1
-    fi
+    local f d need free
     for f in nvfp4 native; do
-        [ -f "$CKPT_DIR/$FLASH_TAG-$f/config.json" ] && continue
+        [ -f "$(flash_ckpt "$f")/config.json" ] && continue
         running "$STATE/gen_$f.pid" && continue
-        setsid "$PYTHON" -m cutedsl.tools.tiny_model "$CKPT_DIR/$FLASH_TAG-$f" --preset flash-layers \
+        d=$(dirname "$(flash_ckpt "$f")")
+        # both in one directory: the room for both; apart: the room for one
+        if [ "$d" = "$(dirname "$(flash_ckpt ours)")" ] && [ "$d" = "$(dirname "$(flash_ckpt upstream)")" ]; then
+            need=$(awk -v l="$FLASH_LAYERS" -v g="$GB_PER_LAYER" 'BEGIN { printf "%d", l * g + 4 }')
+        else
+            need=$(awk -v l="$FLASH_LAYERS" -v g="$GB_PER_LAYER" 'BEGIN { printf "%d", l * g / 2 + 2 }')
+        fi
+        free=$(df -BG --output=avail "$d" | tail -1 | tr -dc 0-9)
+        if [ "$free" -lt "$need" ]; then
+            note "not enough room for $FLASH_TAG-$f: $free GB free in $d, need $need GB"
+            return 1
+        fi
+        setsid "$PYTHON" -m cutedsl.tools.tiny_model "$(flash_ckpt "$f")" --preset flash-layers \
             --layers "$FLASH_LAYERS" --format "$f" --device cuda --force \
             >"$STATE/gen_$f.log" 2>&1 </dev/null &
         echo $! >"$STATE/gen_$f.pid"
-        note "generating $FLASH_TAG-$f (pid $!)"
+        note "generating $(flash_ckpt "$f") (pid $!)"
     done
     if [ ! -f "$STATE/prewarm.ok" ] && ! running "$STATE/prewarm.pid"; then
         mkdir -p "$STATE/cfg"  # the mHC kernels need only the config
@@ -107,7 +127,7 @@ bench_pass() {  # bench_pass ours|upstream REPEATS: every point up to that many 
         --base-url "http://127.0.0.1:$port" --model flash --tokenizer "$(flash_ckpt ours)" \
         --label "$label" --shapes "$(echo $SHAPES | tr ' ' ,)" --concurrency "$(echo $CONCS | tr ' ' ,)" \
         --prompts-per-concurrency 1 --repeats "$reps" --seed-per-run --in-process \
-        --num-warmups 0 --warmup-requests 8 --time-budget "$t" --min-run-s 40 --resume \
+        --num-warmups 0 --warmup-requests 8 --time-budget "$t" --min-run-s "$MIN_RUN_S" --resume \
         --log-dir "$STATE/logs_$label" --out "$STATE/serve_$n.json"
     tail -n 3 "$R/bench_${label}_r$reps.log" | tee -a "$OUT/summary.txt"
 }
@@ -146,7 +166,7 @@ if ! gen_done; then
     start_gen || { finish; exit 1; }
     while ! gen_done && [ "$(left)" -gt 20 ]; do
         for f in nvfp4 native; do
-            if ! running "$STATE/gen_$f.pid" && [ ! -f "$CKPT_DIR/$FLASH_TAG-$f/config.json" ]; then
+            if ! running "$STATE/gen_$f.pid" && [ ! -f "$(flash_ckpt "$f")/config.json" ]; then
                 note "generating $FLASH_TAG-$f failed:"; tail -n 5 "$STATE/gen_$f.log"; finish; exit 1
             fi
         done
