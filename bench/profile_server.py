@@ -46,6 +46,7 @@ name, category, calls, total_us, mean_us, pct, us_per_decode_step), idle (where 
 the decode steps at that batch size: every gap of at least MIN_GAP_US between the latest kernel end
 and the next kernel start, in-graph when both kernels came from the same CUDA-graph launch, per step
 and by the pair of kernels around it), host (the other user annotations, the worker's CPU phases,
+and the CUDA runtime calls that can block on the GPU - synchronize, memcpy - named "[cuda] ...",
 in us per step), warnings. --md: the same as tables (the top --top kernels). Exit status: 0, 1 when no GPU kernel was found or the workload
 failed, 2 on bad arguments.
 """
@@ -103,6 +104,9 @@ _LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
 MIN_GAP_US = 5.0  # idle gaps shorter than this are launch latency, not waiting
 IDLE_TOP = 12
 HOST_TOP = 15
+# CUDA runtime calls that can block the host until the GPU gets there: their time in a step is
+# the host waiting, not working
+_BLOCKING_RE = re.compile(r"synchronize|memcpy", re.IGNORECASE)
 STEP_RE = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
@@ -237,6 +241,8 @@ class _Acc:
                         graph_corr.add(corr)
                 if "graphlaunch" in str(ev.get("name", "")).lower():
                     self.graph_launches += 1
+                if _BLOCKING_RE.search(str(ev.get("name", ""))):  # where the host waits on the GPU
+                    host.append((float(ev["ts"]), float(ev.get("dur", 0)), f"[cuda] {ev['name']}"))
             elif cat == "user_annotation":
                 m = STEP_RE.match(str(ev.get("name", "")))
                 if m:

@@ -75,6 +75,7 @@ def _trace(jitter: float = 0.0) -> list[dict]:
         _x("kernel", OURS, 3100 + j, 12, corr=3),
         _x("kernel", MLA, 3120 + j, 5, corr=3),
         _x("kernel", MARLIN, 3500 + j, 7, corr=99),
+        _x("cuda_runtime", "cudaStreamSynchronize", 3200 + j, 250),  # the host waits
         # decode step 3 (batch 2): a sort and a memset
         _x("cuda_runtime", "cudaLaunchKernel", 4010 + j, 5, corr=7),
         _x("kernel", SORT, 4100 + j, 4, corr=7),
@@ -160,9 +161,13 @@ def test_parse_synthetic_trace(tmp_path: Path) -> None:
         and top[(OURS, MLA, True)]["gaps_per_step"] == 1
     )
     assert idle["top"][0]["before"] == MARLIN  # the largest first
-    # host annotations inside the batch-4 steps: one "forward" of 100 us in step 1
-    assert res["host"] == [{"name": "gpu_model_runner: forward", "us_per_step": 50.0,
-                            "calls_per_step": 0.5}]  # fmt: skip
+    # host annotations inside the batch-4 steps: one "forward" of 100 us in step 1; the
+    # blocking runtime calls: a synchronize of 250 us in step 2, a memcpy of 5 us in step 1
+    assert res["host"] == [
+        {"name": "[cuda] cudaStreamSynchronize", "us_per_step": 125.0, "calls_per_step": 0.5},
+        {"name": "gpu_model_runner: forward", "us_per_step": 50.0, "calls_per_step": 0.5},
+        {"name": "[cuda] cudaMemcpyAsync", "us_per_step": 2.5, "calls_per_step": 0.5},
+    ]
     md = ps.markdown({**res, "label": "x", "command": "c", "date": "d"})
     assert "| cutedsl_w4a16_gemm | 2 | 0.02 |" in md and "| 4 | 2 | 21.0 |" in md
     assert "6.5 us per step inside CUDA graphs, 356.5 us outside them" in md
