@@ -87,7 +87,8 @@ for name in ("torch", "cutlass", "vllm", "transformers"):
 # for the decode batch sizes the benchmark uses (CAPTURE_SIZES; vLLM's default for
 # max-num-seqs 64 is 19 sizes, each captured piecewise and full), prompt-token details (the
 # soak's greedy check reads the cached-token counts), and the worker's torch profiler into a
-# per-server directory (idle until POST /start_profile; bench/profile_server.py). Each server
+# per-server directory (idle until POST /start_profile; bench/profile_server.py) with the worker's
+# phase annotations (VLLM_CUSTOM_SCOPES_FOR_PROFILING: preprocess, forward, sample...). Each server
 # runs in its own process group (setsid), so it outlives the driver that started it; its pid is
 # kept in $RUN_DIR/serve_flash_NAME.pid and its log appended to $RUN_DIR/serve_flash_NAME.log.
 # FLASH_LAYERS sets the checkpoints' depth (default: the preset's 2 layers, checkpoints flash-*;
@@ -126,10 +127,10 @@ start_flash() {  # start_flash ours|upstream (no-op when it is healthy or still 
     local cfg
     cfg=$("$PYTHON" "$REPO/bench/profile_server.py" server-args "$prof") || return 1
     if [ "$1" = ours ]; then
-        PORT=$port setsid "${OURS[@]}" bash "$REPO/scripts/serve.sh" "$(flash_ckpt ours)" \
+        PORT=$port VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 setsid "${OURS[@]}" bash "$REPO/scripts/serve.sh" "$(flash_ckpt ours)" \
             "${FLASH_ARGS[@]}" --profiler-config "$cfg" >>"$RUN_DIR/serve_flash_ours.log" 2>&1 </dev/null &
     else
-        PORT=$port SERVE_UPSTREAM=1 setsid "${UPSTREAM[@]}" bash "$REPO/scripts/serve.sh" \
+        PORT=$port VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 SERVE_UPSTREAM=1 setsid "${UPSTREAM[@]}" bash "$REPO/scripts/serve.sh" \
             "$(flash_ckpt upstream)" "${FLASH_ARGS[@]}" --profiler-config "$cfg" \
             >>"$RUN_DIR/serve_flash_upstream.log" 2>&1 </dev/null &
     fi
