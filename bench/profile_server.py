@@ -234,15 +234,16 @@ class _Acc:
             if cat in _GPU_CATS:
                 gpu.append((ev, _GPU_CATS[cat]))
             elif cat in _LAUNCH_CATS:
+                name = str(ev.get("name", ""))
+                graph = "graphlaunch" in name.lower()
                 corr = (ev.get("args") or {}).get("correlation")
                 if corr is not None:
                     launches[corr] = float(ev["ts"])
-                    if "graphlaunch" in str(ev.get("name", "")).lower():
+                    if graph:
                         graph_corr.add(corr)
-                if "graphlaunch" in str(ev.get("name", "")).lower():
-                    self.graph_launches += 1
-                if _BLOCKING_RE.search(str(ev.get("name", ""))):  # where the host waits on the GPU
-                    host.append((float(ev["ts"]), float(ev.get("dur", 0)), f"[cuda] {ev['name']}"))
+                self.graph_launches += graph
+                if _BLOCKING_RE.search(name):  # where the host waits on the GPU
+                    host.append((float(ev["ts"]), float(ev.get("dur", 0)), f"[cuda] {name}"))
             elif cat == "user_annotation":
                 m = STEP_RE.match(str(ev.get("name", "")))
                 if m:

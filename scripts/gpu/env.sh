@@ -125,12 +125,13 @@ start_flash() {  # start_flash ours|upstream (no-op when it is healthy or still 
     fi
     mkdir -p "$prof"
     local cfg
+    local -x VLLM_CUSTOM_SCOPES_FOR_PROFILING=1  # both servers: the worker's phase annotations
     cfg=$("$PYTHON" "$REPO/bench/profile_server.py" server-args "$prof") || return 1
     if [ "$1" = ours ]; then
-        PORT=$port VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 setsid "${OURS[@]}" bash "$REPO/scripts/serve.sh" "$(flash_ckpt ours)" \
+        PORT=$port setsid "${OURS[@]}" bash "$REPO/scripts/serve.sh" "$(flash_ckpt ours)" \
             "${FLASH_ARGS[@]}" --profiler-config "$cfg" >>"$RUN_DIR/serve_flash_ours.log" 2>&1 </dev/null &
     else
-        PORT=$port VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 SERVE_UPSTREAM=1 setsid "${UPSTREAM[@]}" bash "$REPO/scripts/serve.sh" \
+        PORT=$port SERVE_UPSTREAM=1 setsid "${UPSTREAM[@]}" bash "$REPO/scripts/serve.sh" \
             "$(flash_ckpt upstream)" "${FLASH_ARGS[@]}" --profiler-config "$cfg" \
             >>"$RUN_DIR/serve_flash_upstream.log" 2>&1 </dev/null &
     fi

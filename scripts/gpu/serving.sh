@@ -66,9 +66,12 @@ CONCS=${CONCS:-1 4 16 64 128}
 REPEATS=${REPEATS:-2}
 PROFILE_CONCS=${PROFILE_CONCS:-1 4 16 64 128}
 MIN_RUN_S=${MIN_RUN_S:-40}  # the shortest measured run of one bench point
-# which server goes first: upstream's cold start JIT-compiles DeepGEMM (about 1,700 kernels,
-# about 10 min on a fresh machine), so a time-boxed first session may want it started first
+# which server goes first (ORDER="upstream ours" starts upstream first: its cold start JIT-compiles
+# about 1,700 DeepGEMM kernels, about 10 min on a fresh machine)
 ORDER=${ORDER:-ours upstream}
+for n in $ORDER; do
+    case $n in ours | upstream) ;; *) echo "serving.sh: ORDER=$ORDER: each name is ours or upstream" >&2; exit 2 ;; esac
+done
 mkdir -p "$STATE"
 left() { echo $((BUDGET - SECONDS)); }
 note() { echo "$(date -u +%T) [${SECONDS}s] $*" | tee -a "$OUT/summary.txt"; }
@@ -193,7 +196,7 @@ impl_done() {  # impl_done ours|upstream: every bench point and every profile of
 }
 other() { case $1 in ours) echo upstream ;; upstream) echo ours ;; esac; }
 
-[ "$ONE_AT_A_TIME" = 1 ] || for n in ours upstream; do impl_done "$n" || start_flash "$n"; done
+[ "$ONE_AT_A_TIME" = 1 ] || for n in $ORDER; do impl_done "$n" || start_flash "$n"; done
 for n in $ORDER; do
     if impl_done "$n"; then
         [ "$ONE_AT_A_TIME" = 1 ] && stop_flash "$n"
