@@ -876,3 +876,30 @@ if __name__ == "__main__":
         a.workdir,
         a.pristine,
     )
+
+
+def test_deepgemm_prewarm_shapes_are_upstreams(workdir: Path, pristine_report: dict) -> None:
+    """bench/deepgemm_prewarm.py compiles DeepGEMM kernels for exactly the 2-D FP8 block-scaled
+    linear weights upstream's own model builds from the native checkpoint (wo_a aside: upstream
+    marks it `is_bmm` and its weight is 3-D after loading, so the warm-up skips it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dgp", REPO / "bench" / "deepgemm_prewarm.py")
+    dgp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dgp)
+    up = _case(pristine_report, "native/native")
+    want = set()
+    for mod, method in up["methods"].items():
+        dtype, shape = up["params"].get(f"{mod}.weight", (None, []))
+        if method.startswith("Fp8LinearMethod") and dtype == "float8_e4m3fn" and len(shape) == 2:
+            if not mod.endswith(".wo_a") and shape[0] % 128 == 0 and shape[1] % 128 == 0:
+                want.add(tuple(shape))
+    cfg = json.loads((workdir / "native-native" / "config.json").read_text())
+    got = dgp.fp8_linear_shapes(cfg)
+    assert want and {(n, k) for _, n, k in got} == want, (got, want)
+    assert len(got) == len(want)  # one entry per distinct shape
+    ms = [list(range(i, i + 70)) for i in range(3)]
+    tasks = dgp.chunks([(n, k, m) for (_, n, k), m in zip(got, ms, strict=False)], size=32)
+    for (_, n, k), m in zip(got, ms, strict=False):  # every M once, in order, ≤ 32 per task
+        assert [x for tn, tk, t in tasks if (tn, tk) == (n, k) for x in t] == m
+    assert max(len(t) for *_, t in tasks) == 32

@@ -98,11 +98,13 @@ for name in ("torch", "cutlass", "vllm", "transformers"):
 FLASH_LAYERS=${FLASH_LAYERS:-}
 FLASH_TAG=flash$FLASH_LAYERS
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-64}
+MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-8192}  # vLLM's default for these servers, explicit
 GPU_MEM_UTIL=${GPU_MEM_UTIL:-0.3}
 KV_CACHE_BYTES=${KV_CACHE_BYTES:-16000000000}
 CAPTURE_SIZES=${CAPTURE_SIZES:-1 2 4 8 16 32 64}
 # shellcheck disable=SC2206
 FLASH_ARGS=(--served-model-name flash --max-model-len 10240 --max-num-seqs "$MAX_NUM_SEQS"
+    --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS"
     --kv-cache-memory-bytes "$KV_CACHE_BYTES" --gpu-memory-utilization "$GPU_MEM_UTIL"
     --cudagraph-capture-sizes $CAPTURE_SIZES --enable-prompt-tokens-details)
 flash_port() { case $1 in ours) echo 8001 ;; upstream) echo 8002 ;; esac; }

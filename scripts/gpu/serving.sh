@@ -7,7 +7,9 @@
 # Each call does what is not done yet, within BUDGET wall seconds (default 570), in this order:
 #   1. generate both checkpoints (ours: full NVFP4; upstream: the native FP8 + MXFP4 checkpoint of
 #      the same seed), in the background, while the mHC TileLang kernels are compiled into their
-#      disk cache (cutedsl/tools/prewarm_mhc.py); refuses to start without the disk space;
+#      disk cache (cutedsl/tools/prewarm_mhc.py) and upstream's DeepGEMM kernels into theirs, many
+#      at once (bench/deepgemm_prewarm.py; DEEPGEMM_PREWARM=0 leaves them to upstream's own serial
+#      warm-up, about 10 min on a fresh machine); refuses to start without the disk space;
 #   2. ours, then upstream, each alone on the GPU (ONE_AT_A_TIME=1, the default; 0 keeps both
 #      servers up at once, GPU_MEM_UTIL each): start the server (env.sh start_flash: ports
 #      8001/8002, identical flags, CUDA graphs for CAPTURE_SIZES, KV_CACHE_BYTES of KV cache),
@@ -66,6 +68,8 @@ CONCS=${CONCS:-1 4 16 64 128}
 REPEATS=${REPEATS:-2}
 PROFILE_CONCS=${PROFILE_CONCS:-1 4 16 64 128}
 MIN_RUN_S=${MIN_RUN_S:-40}  # the shortest measured run of one bench point
+# 1: compile upstream's DeepGEMM kernels in parallel before it starts (bench/deepgemm_prewarm.py)
+DEEPGEMM_PREWARM=${DEEPGEMM_PREWARM:-1}
 # which server goes first (ORDER="upstream ours" starts upstream first: its cold start JIT-compiles
 # about 1,700 DeepGEMM kernels, about 10 min on a fresh machine)
 ORDER=${ORDER:-ours upstream}
@@ -118,6 +122,18 @@ json.dump(make_config("flash-layers", "nvfp4", None, int(sys.argv[2])), open(sys
         setsid bash -c "'$PYTHON' -m cutedsl.tools.prewarm_mhc '$STATE/cfg' && touch '$STATE/prewarm.ok'" \
             >"$STATE/prewarm.log" 2>&1 </dev/null &
         echo $! >"$STATE/prewarm.pid"
+    fi
+    # upstream's DeepGEMM kernels, compiled in parallel into the cache its serial warm-up reads
+    if [ "$DEEPGEMM_PREWARM" = 1 ] && [ ! -f "$STATE/deepgemm.ok" ] && ! running "$STATE/deepgemm.pid"; then
+        mkdir -p "$STATE/cfg_native"
+        "$PYTHON" -c 'import json, sys; from cutedsl.tools.tiny_model import make_config
+json.dump(make_config("flash-layers", "native", None, int(sys.argv[2])), open(sys.argv[1], "w"))' \
+            "$STATE/cfg_native/config.json" "$FLASH_LAYERS" || return 1
+        setsid bash -c "'$PYTHON' '$REPO/bench/deepgemm_prewarm.py' '$STATE/cfg_native' \
+            --max-tokens $MAX_NUM_BATCHED_TOKENS && touch '$STATE/deepgemm.ok'" \
+            >"$STATE/deepgemm.log" 2>&1 </dev/null &
+        echo $! >"$STATE/deepgemm.pid"
+        note "DeepGEMM prewarm for upstream (pid $!)"
     fi
 }
 
@@ -196,13 +212,27 @@ impl_done() {  # impl_done ours|upstream: every bench point and every profile of
 }
 other() { case $1 in ours) echo upstream ;; upstream) echo ours ;; esac; }
 
-[ "$ONE_AT_A_TIME" = 1 ] || for n in $ORDER; do impl_done "$n" || start_flash "$n"; done
+wait_deepgemm() {  # before upstream starts: its serial warm-up then finds the kernels compiled
+    running "$STATE/deepgemm.pid" && note "waiting for the DeepGEMM prewarm"
+    while running "$STATE/deepgemm.pid" && [ "$(left)" -gt 90 ]; do sleep 3; done
+    [ "$DEEPGEMM_PREWARM" = 1 ] && [ ! -f "$STATE/deepgemm.ok" ] \
+        && note "DeepGEMM prewarm did not finish (see deepgemm.log): upstream compiles them itself"
+    cp "$STATE/deepgemm.log" "$R/" 2>/dev/null
+    return 0
+}
+
+[ "$ONE_AT_A_TIME" = 1 ] || for n in $ORDER; do
+    impl_done "$n" && continue
+    [ "$n" = upstream ] && wait_deepgemm
+    start_flash "$n"
+done
 for n in $ORDER; do
     if impl_done "$n"; then
         [ "$ONE_AT_A_TIME" = 1 ] && stop_flash "$n"
         continue
     fi
     [ "$ONE_AT_A_TIME" = 1 ] && stop_flash "$(other "$n")"
+    [ "$n" = upstream ] && wait_deepgemm
     start_flash "$n"
     wait_flash "$n" $(( $(left) - 40 )) || { note "$n not healthy yet: call again"; finish; exit 1; }
     note "$n healthy"
