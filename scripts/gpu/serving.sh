@@ -67,7 +67,10 @@ SHAPES=${SHAPES:-1024x1024 8192x1024}
 CONCS=${CONCS:-1 4 16 64 128}
 REPEATS=${REPEATS:-2}
 PROFILE_CONCS=${PROFILE_CONCS:-1 4 16 64 128}
-MIN_RUN_S=${MIN_RUN_S:-40}  # the shortest measured run of one bench point
+MIN_RUN_S=${MIN_RUN_S:-40}  # a bench point is not started with less time than this left
+# requests per bench point = PPC x concurrency: PPC waves of prefill + decode averaged in one point
+# (with one wave, two repeats of a point differed by up to 15 %)
+PPC=${PPC:-3}
 # 1: compile upstream's DeepGEMM kernels in parallel before it starts (bench/deepgemm_prewarm.py)
 DEEPGEMM_PREWARM=${DEEPGEMM_PREWARM:-1}
 # which server goes first (ORDER="upstream ours" starts upstream first: its cold start JIT-compiles
@@ -148,7 +151,7 @@ bench_pass() {  # bench_pass ours|upstream REPEATS: every point up to that many 
     step "bench_${label}_r$reps" $((t + 20)) "$PYTHON" "$REPO/bench/serve_bench.py" \
         --base-url "http://127.0.0.1:$port" --model flash --tokenizer "$(flash_ckpt ours)" \
         --label "$label" --shapes "$(echo $SHAPES | tr ' ' ,)" --concurrency "$(echo $CONCS | tr ' ' ,)" \
-        --prompts-per-concurrency 1 --repeats "$reps" --seed-per-run --in-process \
+        --prompts-per-concurrency "$PPC" --repeats "$reps" --seed-per-run --in-process \
         --num-warmups 0 --warmup-requests 8 --time-budget "$t" --min-run-s "$MIN_RUN_S" --resume \
         --log-dir "$STATE/logs_$label" --out "$STATE/serve_$n.json"
     tail -n 3 "$R/bench_${label}_r$reps.log" | tee -a "$OUT/summary.txt"
