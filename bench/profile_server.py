@@ -45,7 +45,7 @@ time = union of kernel intervals, trace GPU span, graph counts), steps (per batc
 name, category, calls, total_us, mean_us, pct, us_per_decode_step), idle (where the GPU waits in
 the decode steps at that batch size: every gap of at least MIN_GAP_US between the latest kernel end
 and the next kernel start, in-graph when both kernels came from the same CUDA-graph launch, per step
-and by the pair of kernels around it), host (the other user annotations, the worker's CPU phases,
+and by the pair of kernels around it, with that pair's median and longest gap), host (the other user annotations, the worker's CPU phases,
 and the CUDA runtime calls that can block on the GPU - synchronize, memcpy - named "[cuda] ...",
 in us per step), warnings. --md: the same as tables (the top --top kernels). Exit status: 0, 1 when no GPU kernel was found or the workload
 failed, 2 on bad arguments.
@@ -166,7 +166,7 @@ def _idle(steps: list[dict]) -> dict:
     one kernel's end (the latest end so far) and the next kernel's start, named by the kernels on
     either side and counted as in-graph when both came from the same CUDA-graph launch."""
     n = len(steps)
-    pairs: dict[tuple[str, str, bool], list[float]] = {}
+    pairs: dict[tuple[str, str, bool], list[float]] = {}  # each pair's gaps (us)
     in_graph = outside = 0.0
     for s in steps:
         ks = sorted(s["k"])
@@ -177,16 +177,14 @@ def _idle(steps: list[dict]) -> dict:
             gap = k[0] - end
             if gap >= MIN_GAP_US:
                 same = prev[3] is not None and prev[3] == k[3]
-                acc = pairs.setdefault((_short(prev[2]), _short(k[2]), same), [0.0, 0])
-                acc[0] += gap
-                acc[1] += 1
+                pairs.setdefault((_short(prev[2]), _short(k[2]), same), []).append(gap)
                 if same:
                     in_graph += gap
                 else:
                     outside += gap
             if k[1] > end:
                 end, prev = k[1], k
-    top = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:IDLE_TOP]
+    top = sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:IDLE_TOP]
     return {
         "min_gap_us": MIN_GAP_US,
         "in_graph_us_per_step": round(in_graph / n, 2) if n else None,
@@ -196,8 +194,11 @@ def _idle(steps: list[dict]) -> dict:
                 "after": a,
                 "before": b,
                 "in_graph": g,
-                "us_per_step": round(v[0] / n, 2),
-                "gaps_per_step": round(v[1] / n, 2),
+                "us_per_step": round(sum(v) / n, 2),
+                "gaps_per_step": round(len(v) / n, 2),
+                # a typical gap next to the mean: a few long stalls inflate the mean alone
+                "median_us": _median(v),
+                "max_us": round(max(v), 2),
             }
             for (a, b, g), v in top
         ],  # fmt: skip
@@ -481,13 +482,15 @@ def _idle_markdown(res: dict) -> list[str]:
         "", f"Where the GPU waits (decode steps at batch {res['totals']['decode_batch']}; gaps of at "
         f"least {idle['min_gap_us']:g} us between kernels): {_fmt(idle['in_graph_us_per_step'])} us "
         f"per step inside CUDA graphs, {_fmt(idle['outside_graph_us_per_step'])} us outside them.",
-        "", "| after kernel | before kernel | in graph | idle us/step | gaps/step |",
-        "|---|---|---|---:|---:|",
+        "", "| after kernel | before kernel | in graph | idle us/step | gaps/step | median gap us "
+        "| max gap us |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]  # fmt: skip
     for g in idle["top"]:
         a, b = (x.replace("|", "\\|") for x in (g["after"], g["before"]))
         lines.append(f"| `{a}` | `{b}` | {'yes' if g['in_graph'] else 'no'} | "
-                     f"{_fmt(g['us_per_step'])} | {_fmt(g['gaps_per_step'], '{:.2f}')} |")  # fmt: skip
+                     f"{_fmt(g['us_per_step'])} | {_fmt(g['gaps_per_step'], '{:.2f}')} | "
+                     f"{_fmt(g['median_us'])} | {_fmt(g['max_us'])} |")  # fmt: skip
     if host:
         lines += ["", "Host annotations in the same steps (CPU us per step; nested ones overlap):", "",
                   "| annotation | us/step | calls/step |", "|---|---:|---:|"]  # fmt: skip

@@ -160,6 +160,8 @@ def test_parse_synthetic_trace(tmp_path: Path) -> None:
         top[(OURS, MLA, True)]["us_per_step"] == 6.5
         and top[(OURS, MLA, True)]["gaps_per_step"] == 1
     )
+    assert top[(OURS, MLA, True)]["median_us"] == 6.5 and top[(OURS, MLA, True)]["max_us"] == 8
+    assert top[(MLA, MARLIN, False)]["median_us"] == top[(MLA, MARLIN, False)]["max_us"] == 375
     assert idle["top"][0]["before"] == MARLIN  # the largest first
     # host annotations inside the batch-4 steps: one "forward" of 100 us in step 1; the
     # blocking runtime calls: a synchronize of 250 us in step 2, a memcpy of 5 us in step 1
