@@ -82,7 +82,11 @@ def _task(args: tuple[int, int, list[int], int]) -> int:
     from vllm.model_executor.layers.quantization.utils.fp8_utils import (
         deepgemm_post_process_fp8_weight_block,
     )
-    from vllm.utils.deep_gemm import fp8_gemm_nt, is_deep_gemm_e8m0_used
+    from vllm.utils.deep_gemm import (
+        fp8_gemm_nt,
+        get_mk_alignment_for_contiguous_layout,
+        is_deep_gemm_e8m0_used,
+    )
 
     n, k, ms, max_tokens = args
     if (n, k) not in _WEIGHTS:
@@ -92,7 +96,8 @@ def _task(args: tuple[int, int, list[int], int]) -> int:
             wq=w, ws=ws, quant_block_shape=(BLOCK, BLOCK), use_e8m0=is_deep_gemm_e8m0_used()
         )
         a = torch.empty(max_tokens, k, device="cuda", dtype=torch.float8_e4m3fn)
-        a_s = torch.empty(max_tokens, k // BLOCK, device="cuda", dtype=torch.float32)
+        block_m = get_mk_alignment_for_contiguous_layout()[0]  # as vLLM's warm-up sizes them
+        a_s = torch.empty(max_tokens, k // block_m, device="cuda", dtype=torch.float32)
         out = torch.empty(max_tokens, n, device="cuda", dtype=torch.bfloat16)
         _WEIGHTS[(n, k)] = (w, ws, a, a_s, out)
     w, ws, a, a_s, out = _WEIGHTS[(n, k)]

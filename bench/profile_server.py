@@ -45,9 +45,9 @@ time = union of kernel intervals, trace GPU span, graph counts), steps (per batc
 name, category, calls, total_us, mean_us, pct, us_per_decode_step), idle (where the GPU waits in
 the decode steps at that batch size: every gap of at least MIN_GAP_US between the latest kernel end
 and the next kernel start, in-graph when both kernels came from the same CUDA-graph launch, per step
-and by the pair of kernels around it, with that pair's median and longest gap), host (the other user annotations, the worker's CPU phases,
-and the CUDA runtime calls that can block on the GPU - synchronize, memcpy - named "[cuda] ...",
-in us per step), warnings. --md: the same as tables (the top --top kernels). Exit status: 0, 1 when no GPU kernel was found or the workload
+and by the pair of kernels around it, with that pair's median and longest gap), host (the other
+user annotations, the worker's CPU phases, and the CUDA runtime calls that can block on the GPU -
+synchronize, memcpy - named "[cuda] ...", in us per step), warnings. --md: the same as tables (the top --top kernels). Exit status: 0, 1 when no GPU kernel was found or the workload
 failed, 2 on bad arguments.
 """
 

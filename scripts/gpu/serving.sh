@@ -94,6 +94,11 @@ finish() {
 # --- 1. checkpoints and the mHC kernels, in the background ---
 gen_done() { [ -f "$(flash_ckpt ours)/config.json" ] && [ -f "$(flash_ckpt upstream)/config.json" ]; }
 running() { local pid; pid=$(cat "$1" 2>/dev/null) && kill -0 "$pid" 2>/dev/null; }
+write_config() {  # write_config DIR FORMAT: the flash-layers checkpoint's config.json alone
+    mkdir -p "$1" && "$PYTHON" -c 'import json, sys; from cutedsl.tools.tiny_model import make_config
+json.dump(make_config("flash-layers", sys.argv[2], None, int(sys.argv[3])), open(sys.argv[1], "w"))' \
+        "$1/config.json" "$2" "$FLASH_LAYERS"
+}
 start_gen() {
     local f d need free
     for f in nvfp4 native; do
@@ -118,20 +123,14 @@ start_gen() {
         note "generating $(flash_ckpt "$f") (pid $!)"
     done
     if [ ! -f "$STATE/prewarm.ok" ] && ! running "$STATE/prewarm.pid"; then
-        mkdir -p "$STATE/cfg"  # the mHC kernels need only the config
-        "$PYTHON" -c 'import json, sys; from cutedsl.tools.tiny_model import make_config
-json.dump(make_config("flash-layers", "nvfp4", None, int(sys.argv[2])), open(sys.argv[1], "w"))' \
-            "$STATE/cfg/config.json" "$FLASH_LAYERS" || return 1
+        write_config "$STATE/cfg" nvfp4 || return 1  # the mHC kernels need only the config
         setsid bash -c "'$PYTHON' -m cutedsl.tools.prewarm_mhc '$STATE/cfg' && touch '$STATE/prewarm.ok'" \
             >"$STATE/prewarm.log" 2>&1 </dev/null &
         echo $! >"$STATE/prewarm.pid"
     fi
     # upstream's DeepGEMM kernels, compiled in parallel into the cache its serial warm-up reads
     if [ "$DEEPGEMM_PREWARM" = 1 ] && [ ! -f "$STATE/deepgemm.ok" ] && ! running "$STATE/deepgemm.pid"; then
-        mkdir -p "$STATE/cfg_native"
-        "$PYTHON" -c 'import json, sys; from cutedsl.tools.tiny_model import make_config
-json.dump(make_config("flash-layers", "native", None, int(sys.argv[2])), open(sys.argv[1], "w"))' \
-            "$STATE/cfg_native/config.json" "$FLASH_LAYERS" || return 1
+        write_config "$STATE/cfg_native" native || return 1  # before the checkpoint has its own
         setsid bash -c "'$PYTHON' '$REPO/bench/deepgemm_prewarm.py' '$STATE/cfg_native' \
             --max-tokens $MAX_NUM_BATCHED_TOKENS && touch '$STATE/deepgemm.ok'" \
             >"$STATE/deepgemm.log" 2>&1 </dev/null &
