@@ -15,7 +15,6 @@ import pytest
 from cutedsl import jit
 from cutedsl.sm90 import gemm as sm90_gemm
 from cutedsl.sm90 import routing, swiglu
-from cutedsl.sm90 import stream as sm90_stream
 from cutedsl.sm100.kernels import gemm as sm100_kernels
 from cutedsl.sm100.kernels import quant as sm100_quant
 
@@ -35,7 +34,6 @@ def _builders() -> list[tuple[object, tuple]]:
     """(builder, one valid argument tuple) for every builder the runtime passes to jit.compiled."""
     return [
         (sm90_gemm._build, (128, 16, 1, False)),
-        (sm90_stream._build, (2, 16, 1)),
         (routing._build, ("route",)),
         (swiglu._build, (10.0,)),
         (sm100_kernels.compile_gemm, (False, 10.0, 128)),

@@ -40,13 +40,6 @@ Columns:
   without it too). `moe_align_block_size` (once per batch in vLLM, shared by L1 and L2) is outside
   the timed graph, as our offsets are. wo_a: n/a.
 - copy (M <= 32): `bench_copy`, the same-bytes copy above.
-- stream (M <= 32, dense and wo_a): the streaming decode GEMM (`cutedsl.sm90.stream`, on the
-  weight in its stream layout, `cutedsl.sm90.stream_weight`) next to ours, on the same weight
-  bytes; a column only, never what a launch takes. `stream_us` is its default tactic
-  (`stream.default_tactic`), `stream_tactic` that tactic; with --sweep, `stream_sweep_us` holds
-  every tactic (`stream.tactics_for`) and `stream_best_tactic` / `stream_best_us` the fastest.
-  `x_stream` = ours us / stream us (> 1: the stream design is faster), `pct_copy_time_stream` =
-  copy_us / stream us.
 - DeepGEMM: vLLM 0.21.0's bundled DeepGEMM (vllm.third_party.deep_gemm, through the wrappers in
   vllm.utils.deep_gemm, as vLLM calls them) on FP8 e4m3 block weights (128x128 blocks, fp32
   scales) and FP8 activations (1x128 groups, fp32 scales, MN-major TMA-aligned, pre-transformed):
@@ -354,8 +347,7 @@ def new_row(model: str, shape: Shape, m: int) -> dict:
         "marlin_us marlin_tflops marlin_weight_GBps deepgemm_us deepgemm_tflops deepgemm_quant_us "
         "deepgemm_total_us deepgemm_rows deepgemm_weight_GBps x_cublas x_marlin x_deepgemm "
         "x_deepgemm_total ours_error cublas_error marlin_error deepgemm_error copy_error sweep_us "
-        "best_tactic best_us stream_us stream_tactic stream_sweep_us stream_best_tactic "
-        "stream_best_us stream_error x_stream pct_copy_time_stream"
+        "best_tactic best_us"
     ).split():
         r[key] = None
     return r
@@ -378,9 +370,6 @@ def finalize_row(r: dict, copy_bw: float | None) -> dict:
     r["weight_GBps"] = rnd(wb / t / 1e3, 0) if t else None
     r["pct_copy_bw"] = rnd(100 * wb / t / 1e3 / copy_bw, 1) if t and copy_bw else None
     r["pct_copy_time"] = rnd(100 * r["copy_us"] / t, 1) if t and r["copy_us"] else None
-    st = r.get("stream_us")
-    r["x_stream"] = rnd(t / st, 2) if t and st else None
-    r["pct_copy_time_stream"] = rnd(100 * r["copy_us"] / st, 1) if st and r["copy_us"] else None
     r["cublas_tflops"] = tf(r["cublas_us"])
     r["cublas_weight_GBps"] = (
         rnd(groups * r["N"] * r["K"] * 2 / r["cublas_us"] / 1e3, 0) if (r["cublas_us"]) else None
@@ -557,89 +546,6 @@ def bench_ours(
             r["ours_error"] = _err(e)
         print(f"  ours     {shape.name:20s} M={m:6d} us={r['us']} {r['ours_error'] or ''}")
     del wps
-    torch.cuda.empty_cache()
-
-
-def random_stream_weight(g: int, n: int, k: int) -> object:
-    """`random_prepared_weight`'s distribution in the stream layout
-    (`cutedsl.sm90.stream_weight.StreamWeight`)."""
-    from cutedsl.sm90.stream_weight import prepare_stream_weight
-
-    packed = torch.randint(0, 256, (g, n, k // 2), dtype=torch.uint8, device="cuda")
-    sf = (torch.rand(g, n, k // 16, device="cuda") * 4 + 2**-7).to(torch.float8_e4m3fn)
-    return prepare_stream_weight(packed, sf, torch.full((g,), 0.01, device="cuda"))
-
-
-def stream_applies(shape: Shape, m: int) -> str | None:
-    """Why the streaming decode GEMM has no cell for (shape, m), or None when it has one."""
-    if shape.kind == "moe":
-        return "n/a: the stream design covers dense linears and wo_a"
-    if m > 32:
-        return "n/a: the stream design is for M <= 32"
-    if shape.k % 128 or shape.n % 64:
-        return f"n/a: N={shape.n} / K={shape.k} not multiples of 64 / 128"
-    return None
-
-
-def bench_stream(
-    shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget, sweep: str = ""
-) -> None:
-    """Time the streaming decode GEMM (`cutedsl.sm90.stream`) on `shape` for each m <= 32 into
-    rows_by_m[m]["stream_us"] (errors into stream_error); with `sweep`, every tactic."""
-    todo = [m for m in ms if stream_applies(shape, m) is None]
-    for m in ms:
-        if m not in todo:
-            rows_by_m[m]["stream_error"] = stream_applies(shape, m)
-    if not todo:
-        return
-    try:
-        from cutedsl.sm90 import stream
-
-        g, n, k = shape.groups, shape.n, shape.k
-        sws = [random_stream_weight(g, n, k) for _ in range(_copies(weight_bytes(g, n, k)))]
-    except Exception as e:  # noqa: BLE001 - one implementation failing never stops the run
-        _set(rows_by_m, todo, "stream_error", _err(e))
-        return
-    for m in todo:
-        if not budget.fits(f"stream {shape.name} M={m}"):
-            return
-        r = rows_by_m[m]
-        try:
-            if shape.kind == "grouped":
-                a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
-
-                def make(t, sws=sws):
-                    return [lambda sw=sw: stream.grouped(a, sw, out=out, tactic=t)
-                            for sw in sws]  # fmt: skip
-            else:
-                a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-
-                def make(t, sws=sws):
-                    return [lambda sw=sw: stream.linear(a, sw, out=out, tactic=t)
-                            for sw in sws]  # fmt: skip
-
-            tac = stream.default_tactic(m, n)
-            r["stream_tactic"] = str(tac)
-            flops = 2.0 * m * n * k * (g if shape.kind == "grouped" else 1)
-            cands = [tac] + [t for t in stream.tactics_for(m, n) if t != tac] if sweep else [tac]
-            times = {}
-            for t in cands:
-                if t != tac and not budget.fits(f"stream {shape.name} M={m} tactic {t}"):
-                    break
-                fns = make(t)
-                fns[0]()  # compile and make the scratch outside capture
-                times[t] = round(budget.measure(lambda: graph_time_us(fns, _reps(flops))), 2)
-            r["stream_us"] = times[tac]
-            if sweep:
-                r["stream_sweep_us"] = {str(t): us for t, us in times.items()}
-                best = min(times, key=times.get)
-                r["stream_best_tactic"], r["stream_best_us"] = str(best), times[best]
-        except Exception as e:  # noqa: BLE001
-            r["stream_error"] = _err(e)
-        print(f"  stream   {shape.name:20s} M={m:6d} us={r['stream_us']} {r['stream_error'] or ''}")
-    del sws
     torch.cuda.empty_cache()
 
 
@@ -1052,11 +958,6 @@ MD_COLS = [  # (header, key, format); the copy columns only for M <= 32
     ("% copy BW (M<=32)", "pct_copy_bw", ".1f"),
     ("same-bytes copy us", "copy_us", ".1f"),
     ("copy us / ours (%)", "pct_copy_time", ".1f"),
-    ("stream us (M<=32)", "stream_us", ".1f"),
-    ("stream tactic", "stream_tactic", "s"),
-    ("stream best (--sweep)", "stream_best_us", ".1f"),
-    ("copy us / stream (%)", "pct_copy_time_stream", ".1f"),
-    ("ours/stream", "x_stream", ".2f"),
     ("cuBLAS us", "cublas_us", ".1f"),
     ("Marlin us", "marlin_us", ".1f"),
     ("DeepGEMM us (GEMM only)", "deepgemm_us", ".1f"),
@@ -1073,16 +974,13 @@ def _cell(r: dict, key: str, fmt: str) -> str:
     if key == "notes":
         errs = [
             f"{w}: {r[f'{w}_error']}"
-            for w in ("ours", "cublas", "marlin", "deepgemm", "copy", "stream")
+            for w in ("ours", "cublas", "marlin", "deepgemm", "copy")
             if r.get(f"{w}_error")
-            and not str(r[f"{w}_error"]).startswith(
-                ("n/a: Marlin column", "n/a: no Marlin", "n/a: the stream design")
-            )
+            and not str(r[f"{w}_error"]).startswith(("n/a: Marlin column", "n/a: no Marlin"))
         ]
         return "; ".join(errs).replace("|", "/")
     v = r.get(key)
-    if key in ("pct_copy_bw", "copy_us", "pct_copy_time", "stream_us", "stream_tactic",
-               "stream_best_us", "pct_copy_time_stream", "x_stream") and r["M"] > 32:  # fmt: skip
+    if key in ("pct_copy_bw", "copy_us", "pct_copy_time") and r["M"] > 32:
         return ""
     if v is None:
         if key == "deepgemm_us" and str(r.get("deepgemm_error") or "").startswith("n/a"):
@@ -1136,7 +1034,7 @@ def versions() -> dict:
 # ------------------------------------------------------------------------------ main
 
 
-IMPLS = ("ours", "cublas", "marlin", "deepgemm", "copy", "stream")
+IMPLS = ("ours", "cublas", "marlin", "deepgemm", "copy")
 EXAMPLES = [
     "python -m cutedsl.bench.gemm_sm90 --json r/gemm.json --md r/gemm.md   # every shape and M",
     "python -m cutedsl.bench.gemm_sm90 --model flash --ms 1,16,4096 --shapes wq_b,wo_b "
@@ -1146,8 +1044,6 @@ EXAMPLES = [
     "--ms 1,16,32,64,128,256,512,1024,4096 --shapes fused_wqa_wkv,wq_b --json sweep.json",
     "python -m cutedsl.bench.tune_sm90 sweep.json   # -> cutedsl/tuned/sm90/<device>.json",
     "python -m cutedsl.bench.gemm_sm90 --time-budget 600 --json r.json --md r.md",
-    "python -m cutedsl.bench.gemm_sm90 --model all --ms 1,4,16,32 --impls ours,stream,copy "
-    "--sweep neighbours --shapes fused_wqa_wkv,wq_b,wo_a(G=8),wo_a(G=16),wo_b,shared_w13,shared_w2",
 ]
 
 
@@ -1292,8 +1188,6 @@ def main(argv: list[str] | None = None) -> int:
             bench_deepgemm(shape, ms, rows_by_m, budget, dg)
         if "copy" in impls:
             bench_copy(shape, ms, rows_by_m, budget)
-        if "stream" in impls:
-            bench_stream(shape, ms, rows_by_m, budget, sweep=args.sweep)
         rows += [finalize_row(rows_by_m[m], copy_bw) for m in ms]
         meta["stopped_early"] = budget.stopped
         write_outputs(args.json, args.md, meta, rows)

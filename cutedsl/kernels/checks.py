@@ -24,7 +24,6 @@ class KernelTarget:
 # Modules that define check_targets(); a module missing here is a module CI does not compile.
 KERNEL_MODULES: tuple[str, ...] = (
     "cutedsl.sm90.kernels.gemm",
-    "cutedsl.sm90.kernels.stream",
     "cutedsl.sm90.kernels.moe_routing",
     "cutedsl.sm90.kernels.swiglu",
     "cutedsl.sm100.kernels.gemm",
