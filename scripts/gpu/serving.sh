@@ -86,7 +86,7 @@ label_of() { case $1 in ours) echo cutedsl-nvfp4 ;; upstream) echo upstream-nati
 
 finish() {
     cp "$STATE"/serving.* "$STATE"/serve_*.json "$STATE"/profile_*.json "$STATE"/profile_*.md \
-        "$STATE"/ckpt_bytes_*.txt "$STATE"/copy.json "$STATE"/gen_*.log "$R"/ 2>/dev/null
+        "$STATE"/ckpt_bytes_*.txt "$STATE"/copy.json "$STATE"/gen_*.log "$STATE"/cpu_*.log "$R"/ 2>/dev/null
     cp "$RUN_DIR"/serve_flash_*.log "$R"/ 2>/dev/null
     df -h "$CKPT_DIR" ${CKPT_DIR_UPSTREAM:+"$CKPT_DIR_UPSTREAM"} >"$R/df.txt" 2>&1
 }
@@ -140,12 +140,23 @@ start_gen() {
 }
 
 # --- 3./5. one bench pass of one server ---
+cpu_watch() {  # cpu_watch FILE: load and the busiest processes, every 20 s until killed
+    while :; do
+        { echo "== $(date -u +%T)"; top -b -n 2 -d 1 -c -o %CPU -w 220 | awk '/^top -/ { f++ } f == 2' \
+            | sed -n '1,3p;7,18p'; } >>"$1" 2>&1
+        sleep 19
+    done
+}
 bench_pass() {  # bench_pass ours|upstream REPEATS: every point up to that many repeats
     local n=$1 reps=$2 label port t
     label=$(label_of "$n") port=$(flash_port "$n")
     healthy "$port" || { note "bench $label: server not healthy"; return 1; }
     t=$(( $(left) - 30 ))
     [ "$t" -gt 60 ] || { note "bench $label x$reps: not started ($t s left)"; return 1; }
+    # what else runs on the host during the pass (a repeat measured slower than the next one
+    # otherwise leaves no trace)
+    cpu_watch "$STATE/cpu_${label}_r$reps.log" &
+    local watch=$!
     # shellcheck disable=SC2086
     step "bench_${label}_r$reps" $((t + 20)) "$PYTHON" "$REPO/bench/serve_bench.py" \
         --base-url "http://127.0.0.1:$port" --model flash --tokenizer "$(flash_ckpt ours)" \
@@ -153,6 +164,7 @@ bench_pass() {  # bench_pass ours|upstream REPEATS: every point up to that many 
         --prompts-per-concurrency "$PPC" --repeats "$reps" --seed-per-run --in-process \
         --num-warmups 0 --warmup-requests 8 --time-budget "$t" --min-run-s "$MIN_RUN_S" --resume \
         --log-dir "$STATE/logs_$label" --out "$STATE/serve_$n.json"
+    kill "$watch" 2>/dev/null
     tail -n 3 "$R/bench_${label}_r$reps.log" | tee -a "$OUT/summary.txt"
 }
 bench_done() {  # bench_done ours|upstream REPEATS: every point has that many ok repeats
