@@ -22,6 +22,7 @@ from cutedsl.sm90.tactics import GpuSpec, Tactic
 from cutedsl.tools import check_kernels
 
 H200 = GpuSpec("NVIDIA H200", 132)
+H100 = GpuSpec("NVIDIA H100 80GB HBM3", 132)  # a table of decode rows (M <= 32)
 
 TARGETS = gemm_sm90.check_targets()
 
@@ -228,21 +229,30 @@ def test_moe_grid_limit_is_refused() -> None:
         )
 
 
-def test_choose_tactic_takes_the_measured_table() -> None:
+@pytest.mark.parametrize("spec", [H200, H100], ids=lambda s: s.name)
+def test_choose_tactic_takes_the_measured_table(spec: GpuSpec) -> None:
     """Table shapes take the fastest measured tactic of the smallest measured M >= m (the rule
     beyond the largest), and every entry is a tactic the kernel takes for its shape."""
-    table = TT.tuned_table(H200)
+    table = TT.tuned_table(spec)
     assert (1536, 4096, 1) in table and (1024, 4096, 8) in table  # fused_wqa_wkv, wo_a (G = 8)
     for (n, k, g), entries in table.items():
         prev = 0
         for m_max, tactic in entries:
             for m in {prev + 1, (prev + 1 + m_max) // 2, m_max}:
-                assert TT.choose_tactic(m, n, k, g, spec=H200) == tactic, (n, k, g, m)
+                assert TT.choose_tactic(m, n, k, g, spec=spec) == tactic, (n, k, g, m)
             tn, tm, sk = astuple(tactic)
             gemm_sm90.Sm90Nvfp4W4A16GemmKernel(tile_n=tn, tile_m=tm, split_k=sk)
             assert gemm_sm90.Sm90Nvfp4W4A16GemmKernel.can_implement(n, k, tn, sk)
             assert tm in TT.TILE_M_VERIFIED
             prev = m_max
+        # beyond the largest measured M: the rule, as on a GPU without a table
+        m = prev + 1
+        assert TT.choose_tactic(m, n, k, g, spec=spec) == TT.choose_tactic(
+            m, n, k, g, spec=GpuSpec("a GPU without a table", spec.num_sms)
+        ), (n, k, g, m)
+
+
+def test_the_h200_table_and_the_rule_elsewhere() -> None:
     assert TT.choose_tactic(4096, 1536, 4096, 1, spec=H200) == Tactic(
         128, 192, 1
     )  # measured (2026-12-04)
@@ -253,7 +263,11 @@ def test_choose_tactic_takes_the_measured_table() -> None:
         64, 128, 2
     )  # measured (the rule: 128x64x1)
     # another GPU (no table of its name), or this name with another SM count: the rule
-    for other in (GpuSpec("NVIDIA H100 80GB HBM3", 132), GpuSpec("NVIDIA H200", 114)):
+    for other in (
+        GpuSpec("NVIDIA H800", 132),
+        GpuSpec("NVIDIA H200", 114),
+        GpuSpec(H100.name, 114),
+    ):
         assert TT.tuned_table(other) == {}
     assert TT.choose_tactic(128, 1024, 4096, 8, spec=GpuSpec("NVIDIA H200", 114)) == Tactic(
         128, 64, 1

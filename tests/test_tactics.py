@@ -19,21 +19,24 @@ from cutedsl.sm90.tactics import (
 )
 
 H200 = GpuSpec("NVIDIA H200", 132)  # has a tuned table (cutedsl/tuned/sm90/NVIDIA_H200.json)
-OTHERS = [GpuSpec("NVIDIA H100 80GB HBM3", 132), GpuSpec("a partitioned GPU", 16),
-          GpuSpec("NVIDIA H20", 78)]  # fmt: skip
+H100 = GpuSpec("NVIDIA H100 80GB HBM3", 132)  # a table of decode rows (M <= 32) only
+OTHERS = [H100, GpuSpec("a partitioned GPU", 16), GpuSpec("NVIDIA H20", 78)]
 
 
 def every_m(n: int, k: int, groups: int, moe: bool, max_rows: int, spec: GpuSpec) -> set[Tactic]:
     return {launch_tactic(m, n, k, groups, moe, spec) for m in range(1, max_rows + 1)}
 
 
-def test_the_h200_table_is_used() -> None:
+def test_the_tables_are_used() -> None:
     assert tuned_table(H200), "no tuned H200 table: the table path would go untested"
+    assert tuned_table(H100), "no tuned H100 table: a table of decode rows would go untested"
+    assert tuned_table(GpuSpec("NVIDIA H100 80GB HBM3", 16)) == {}, "another SM count: the rule"
 
 
 @pytest.mark.parametrize("spec", [H200, *OTHERS], ids=lambda s: s.name)
 def test_dense_and_grouped_shapes_of_the_table_and_the_rule(spec: GpuSpec) -> None:
-    shapes = sorted(tuned_table(H200))[:12] + [(1536, 4096, 1), (4096, 1024, 8), (576, 7168, 1)]
+    table = sorted(tuned_table(spec) or tuned_table(H200))[:12]
+    shapes = table + [(1536, 4096, 1), (4096, 1024, 8), (576, 7168, 1)]
     for n, k, g in shapes:
         for max_rows in (1, 16, 33, 300, 2048, 8192):
             got = reachable_tactics(n, k, g, False, max_rows, spec)
