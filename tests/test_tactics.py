@@ -30,7 +30,7 @@ def every_m(n: int, k: int, groups: int, moe: bool, max_rows: int, spec: GpuSpec
 def test_the_tables_are_used() -> None:
     assert tuned_table(H200), "no tuned H200 table: the table path would go untested"
     assert tuned_table(H100), "no tuned H100 table: a table of decode rows would go untested"
-    assert tuned_table(GpuSpec("NVIDIA H100 80GB HBM3", 16)) == {}, "another SM count: the rule"
+    assert tuned_table(GpuSpec(H100.name, 16)) == {}, "another SM count: the rule"
 
 
 @pytest.mark.parametrize("spec", [H200, *OTHERS], ids=lambda s: s.name)

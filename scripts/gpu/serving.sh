@@ -140,8 +140,8 @@ start_gen() {
 }
 
 # --- 3./5. one bench pass of one server ---
-cpu_watch() {  # cpu_watch FILE: load and the busiest processes, every 20 s until killed
-    while :; do
+cpu_watch() {  # cpu_watch FILE: load and the busiest processes, every 20 s until killed (or this script ends)
+    while kill -0 $$ 2>/dev/null; do
         { echo "== $(date -u +%T)"; top -b -n 2 -d 1 -c -o %CPU -w 220 | awk '/^top -/ { f++ } f == 2' \
             | sed -n '1,3p;7,18p'; } >>"$1" 2>&1
         sleep 19
