@@ -13,6 +13,7 @@
 # them), TILELANG_CACHE_DIR (vLLM's mHC kernels, default ~/.tilelang/cache).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+. "$HERE/scripts/dsv4_flags.sh"
 PYTHON=${PYTHON:-python3}
 MODEL=${1:-${MODEL:-}}
 [ $# -eq 0 ] || shift
@@ -35,8 +36,7 @@ if [ -z "$MODEL" ]; then
     EXTRA+=(--max-model-len 4096)
 else
     [ -f "$MODEL/config.json" ] || { echo "serve.sh: error: $MODEL/config.json not found" >&2; exit 1; }
-    EXTRA+=(--tokenizer-mode deepseek_v4 --tool-call-parser deepseek_v4 --enable-auto-tool-choice
-        --reasoning-parser deepseek_v4)
+    EXTRA+=("${DSV4_CKPT_FLAGS[@]}")
 fi
 
 if [ "${SERVE_UPSTREAM:-0}" = 1 ]; then
@@ -55,13 +55,9 @@ if [ "${PREWARM_MHC:-1}" != 0 ]; then
         || echo "serve.sh: warning: prewarm_mhc failed; the server compiles those kernels on first use" >&2
 fi
 
-# The DeepSeek V4 flags of the vLLM recipes: FP8 KV cache (required by the DSv4 attention), the
-# 256-token KV block of its sparse SWA backend, full + piecewise CUDA graphs.
+# The DeepSeek V4 flags of the vLLM recipes (scripts/dsv4_flags.sh).
 # shellcheck disable=SC2086
 exec "$PYTHON" -m vllm.entrypoints.cli.main serve "$MODEL" \
     --port "${PORT:-8000}" \
     --tensor-parallel-size "${TENSOR_PARALLEL_SIZE:-1}" \
-    --kv-cache-dtype fp8 \
-    --block-size 256 \
-    --compilation-config '{"cudagraph_mode":"FULL_AND_PIECEWISE","custom_ops":["all"]}' \
-    "${EXTRA[@]}" ${VLLM_EXTRA_ARGS:-} "$@"
+    "${DSV4_ENGINE_FLAGS[@]}" "${EXTRA[@]}" ${VLLM_EXTRA_ARGS:-} "$@"

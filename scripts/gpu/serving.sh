@@ -19,7 +19,10 @@
 #      b. per concurrency in PROFILE_CONCS, its decode profile (bench/profile_server.py,
 #         1024-token prompts);
 #      c. the further repeats (REPEATS, default 2); then the server is stopped;
-#   3. the copy bandwidth, then bench/serving.py report: serving.json/.md/.png.
+#   3. the copy bandwidth, then bench/serving.py report: serving.json/.md/.png;
+#   4. (GREEDY=1, the default) ours' greedy outputs on bench/greedy_parity.py's prompts, taken
+#      through its server after its profiles, then, the servers stopped, through LLM.generate built
+#      from the same flags: greedy_server_ours.json, greedy_parity_ours.json.
 # Checkpoints go to CKPT_DIR (default $RUN_DIR/checkpoints, outside the checkout: a checkout
 # carried to the GPU machine is replaced on every call; /dev/shm/cutedsl-checkpoints when the disk
 # lacks the room and memory has it; when neither holds both, upstream's goes to /dev/shm,
@@ -73,6 +76,7 @@ MIN_RUN_S=${MIN_RUN_S:-40}  # a bench point is not started with less time than t
 PPC=${PPC:-3}
 # 1: compile upstream's DeepGEMM kernels in parallel before it starts (bench/deepgemm_prewarm.py)
 DEEPGEMM_PREWARM=${DEEPGEMM_PREWARM:-1}
+GREEDY=${GREEDY:-1}
 # which server goes first (ORDER="upstream ours" starts upstream first: its cold start JIT-compiles
 # about 1,700 DeepGEMM kernels, about 10 min on a fresh machine)
 ORDER=${ORDER:-ours upstream}
@@ -86,7 +90,7 @@ label_of() { case $1 in ours) echo cutedsl-nvfp4 ;; upstream) echo upstream-nati
 
 finish() {
     cp "$STATE"/serving.* "$STATE"/serve_*.json "$STATE"/profile_*.json "$STATE"/profile_*.md \
-        "$STATE"/ckpt_bytes_*.txt "$STATE"/copy.json "$STATE"/gen_*.log "$STATE"/cpu_*.log "$R"/ 2>/dev/null
+        "$STATE"/ckpt_bytes_*.txt "$STATE"/copy.json "$STATE"/gen_*.log "$STATE"/cpu_*.log "$STATE"/greedy_*.json "$R"/ 2>/dev/null
     cp "$RUN_DIR"/serve_flash_*.log "$R"/ 2>/dev/null
     df -h "$CKPT_DIR" ${CKPT_DIR_UPSTREAM:+"$CKPT_DIR_UPSTREAM"} >"$R/df.txt" 2>&1
 }
@@ -195,6 +199,29 @@ profile() {  # profile ours|upstream C
     rm -f "$(flash_prof_dir "$n")"/*  # the raw traces are large; the JSON keeps the numbers
 }
 
+greedy_server() {  # while ours serves: its greedy outputs on the parity prompts
+    [ "$GREEDY" = 1 ] && [ ! -f "$STATE/greedy_server_ours.json" ] || return 0
+    step greedy_server_ours 120 "$PYTHON" "$REPO/bench/greedy_parity.py" server \
+        --base-url "http://127.0.0.1:$(flash_port ours)" --model flash --out "$STATE/greedy_server_ours.json"
+}
+greedy_offline() {  # the same prompts through LLM.generate with ours' server flags (GPU to itself)
+    local t
+    [ "$GREEDY" = 1 ] || return 0
+    [ -f "$STATE/greedy_parity_ours.json" ] && return 0
+    if [ ! -f "$STATE/greedy_server_ours.json" ]; then
+        note "greedy parity: not run (no server outputs: see greedy_server_ours.log)"
+        return 0
+    fi
+    t=$(( $(left) - 20 ))
+    [ "$t" -ge 240 ] || { note "greedy parity: not started ($t s left)"; return 1; }
+    stop_flash ours upstream
+    step greedy_parity_ours "$t" "${OURS[@]}" "$PYTHON" "$REPO/bench/greedy_parity.py" offline \
+        --server "$STATE/greedy_server_ours.json" --out "$STATE/greedy_parity_ours.json" -- \
+        "$(flash_ckpt ours)" "${DSV4_ENGINE_FLAGS[@]}" "${DSV4_CKPT_FLAGS[@]}" "${FLASH_ARGS[@]}"
+    tail -n 1 "$R/greedy_parity_ours.log" | tee -a "$OUT/summary.txt"
+    [ -f "$STATE/greedy_parity_ours.json" ]
+}
+
 device_info
 make_ours >"$R/make_ours.log" 2>&1 || { cat "$R/make_ours.log"; finish; exit 1; }
 
@@ -252,6 +279,7 @@ for n in $ORDER; do
     note "$n healthy"
     bench_done "$n" 1 || bench_pass "$n" 1
     for c in $PROFILE_CONCS; do profile "$n" "$c"; done
+    [ "$n" = ours ] && greedy_server
     bench_done "$n" "$REPEATS" || bench_pass "$n" "$REPEATS"
     impl_done "$n" || { note "$n: not done yet: call again"; finish; exit 1; }
     if [ "$ONE_AT_A_TIME" = 1 ]; then stop_flash "$n"; note "$n: done, server stopped"; fi
@@ -274,7 +302,7 @@ if bench_done ours "$REPEATS" && bench_done upstream "$REPEATS"; then
         --versions "$(tail -n 4 "$R/device.txt" | tr '\n' ' ')" \
         --json "$STATE/serving.json" --md "$STATE/serving.md" --png "$STATE/serving.png"
     if [ "${STOP_SERVERS:-1}" = 1 ]; then stop_flash ours upstream; note "servers stopped"; fi
-    note "serving: done"
+    if greedy_offline; then note "serving: done"; else note "serving: not done yet: call again"; fi
 else
     note "serving: not done yet: call again"
 fi

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Greedy outputs through a running vLLM server vs through `LLM.generate` on the same prompts.
+
+    python bench/greedy_parity.py server --base-url http://127.0.0.1:8001 --model flash \
+        [--prompts 8] [--prompt-len 256] [--max-tokens 64] [--seed 0] --out server.json
+    python bench/greedy_parity.py offline --server server.json --out parity.json \
+        -- CKPT [the server's `vllm serve` flags...]
+
+`server`: PROMPTS prompts of PROMPT_LEN random token ids (seeded), sent one at a time (the server
+runs each alone: batch 1, as `offline` does), greedy, `ignore_eos`, MAX_TOKENS new tokens each,
+the generated token ids read from the response (`return_token_ids`). Needs only the server.
+
+`offline`: the same prompts through `vllm.LLM` built from the server's own flags (parsed by vLLM's
+`EngineArgs` parser; flags only the API server knows are listed in the JSON as `ignored_flags`),
+one prompt per `generate` call, the same sampling; then, per prompt, whether the two token lists
+are equal and the first position where they differ. Needs the GPU the server had (stop the server
+first). Writes the command, date, device, versions, every prompt's result and the verdict; exits 0
+when every prompt agrees, 1 when one does not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import sys
+import time
+import urllib.error
+import urllib.request
+
+PROMPT_TOKEN_RANGE = (10, 1000)  # ids every tokenizer of the generated checkpoints has
+
+
+def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    """n prompts of `length` random token ids, the same for the same seed."""
+    rng = random.Random(seed)
+    return [[rng.randrange(*PROMPT_TOKEN_RANGE) for _ in range(length)] for _ in range(n)]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where a and b differ (their common length when one is a prefix of the
+    other and they differ in length), or None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(server: list[list[int]], offline: list[list[int]]) -> dict:
+    """Per prompt: equal, first_diff, lengths; and the counts."""
+    if len(server) != len(offline):
+        raise ValueError(f"{len(server)} server outputs vs {len(offline)} offline outputs")
+    rows = []
+    for i, (s, o) in enumerate(zip(server, offline)):
+        d = first_difference(s, o)
+        rows.append({"prompt": i, "equal": d is None, "first_diff": d,
+                     "server_tokens": len(s), "offline_tokens": len(o)})  # fmt: skip
+    n_eq = sum(r["equal"] for r in rows)
+    return {"prompts": len(rows), "equal": n_eq, "differ": len(rows) - n_eq, "rows": rows}
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{url}: HTTP {e.code}: {e.read()[:300]!r}") from None
+
+
+def _write(path: str, doc: dict) -> None:
+    """Whole or not at all: a temp file renamed over `path`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
+def cmd_server(a: argparse.Namespace) -> int:
+    prompts = make_prompts(a.prompts, a.prompt_len, a.seed)
+    url = a.base_url.rstrip("/") + "/v1/completions"
+    outputs = []
+    t0 = time.monotonic()
+    for i, p in enumerate(prompts):
+        body = {"model": a.model, "prompt": p, "max_tokens": a.max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        try:
+            choice = _post(url, body, a.timeout)["choices"][0]
+        except (OSError, RuntimeError, ValueError, KeyError, IndexError) as e:
+            print(f"greedy_parity: prompt {i}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        ids = choice.get("token_ids")
+        if ids is None:
+            print(f"greedy_parity: {url}: the response to prompt {i} has no token_ids "
+                  "(a server without return_token_ids)", file=sys.stderr)  # fmt: skip
+            return 2
+        outputs.append(list(ids))
+    doc = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "base_url": a.base_url, "model": a.model, "seed": a.seed, "prompt_len": a.prompt_len,
+        "max_tokens": a.max_tokens, "wall_s": round(time.monotonic() - t0, 2),
+        "prompts": prompts, "outputs": outputs,
+    }  # fmt: skip
+    _write(a.out, doc)
+    print(f"greedy_parity: {len(prompts)} prompts through {a.base_url} -> {a.out}")
+    return 0
+
+
+def engine_args(flags: list[str]) -> tuple[object, list[str]]:
+    """(vLLM EngineArgs, the flags its parser does not take) from `CKPT [vllm serve flags]`."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if not flags or flags[0].startswith("-"):
+        raise ValueError("offline: give the checkpoint then the server's flags after `--`")
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="greedy_parity offline"))
+    ns, ignored = parser.parse_known_args(["--model", flags[0], *flags[1:]])
+    return EngineArgs.from_cli_args(ns), ignored
+
+
+def cmd_offline(a: argparse.Namespace) -> int:
+    try:
+        with open(a.server) as f:
+            srv = json.load(f)
+        prompts, outputs = srv["prompts"], srv["outputs"]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"greedy_parity: {a.server}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    try:
+        ea, ignored = engine_args(a.flags)
+    except ValueError as e:
+        print(f"greedy_parity: {e}", file=sys.stderr)
+        return 2
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM.from_engine_args(ea)
+    sp = SamplingParams(temperature=0.0, max_tokens=srv["max_tokens"], ignore_eos=True)
+    offline = []
+    for p in prompts:  # one at a time: batch 1, as the server ran each
+        out = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
+        offline.append(list(out[0].outputs[0].token_ids))
+    res = compare(outputs, offline)
+    doc = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
+        "server_json": a.server, "server_command": srv.get("command"),
+        "engine_args": {k: repr(v) for k, v in vars(ea).items()},
+        "ignored_flags": ignored, **res, "offline_outputs": offline,
+        "verdict": "pass" if res["differ"] == 0 else "fail",
+    }  # fmt: skip
+    _write(a.out, doc)
+    print(f"greedy_parity: {res['equal']}/{res['prompts']} prompts equal "
+          f"(first differences: {[r['first_diff'] for r in res['rows'] if not r['equal']]}) -> {a.out}")  # fmt: skip
+    return 0 if res["differ"] == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("server", help="greedy outputs of a running server")
+    s.add_argument("--base-url", required=True)
+    s.add_argument("--model", required=True, help="the served model name")
+    s.add_argument("--prompts", type=int, default=8)
+    s.add_argument("--prompt-len", type=int, default=256)
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    s.add_argument("--out", required=True)
+    o = sub.add_parser("offline", help="the same prompts through LLM.generate, compared")
+    o.add_argument("--server", required=True, help="the JSON of `server`")
+    o.add_argument("--out", required=True)
+    o.add_argument(
+        "flags", nargs=argparse.REMAINDER, help="-- CKPT [the server's vllm serve flags]"
+    )
+    a = ap.parse_args(argv)
+    if a.cmd == "server":
+        if a.prompts < 1 or a.prompt_len < 1 or a.max_tokens < 1:
+            ap.error("--prompts, --prompt-len and --max-tokens must be >= 1")
+        return cmd_server(a)
+    a.flags = a.flags[1:] if a.flags[:1] == ["--"] else a.flags
+    return cmd_offline(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""bench/greedy_parity.py: the server side against a stub OpenAI server, the comparison, the offline
+side with a stand-in for `vllm.LLM` (the real one needs a GPU), and the server's own flags
+(scripts/dsv4_flags.sh) through vLLM 0.21.0's EngineArgs parser on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+import threading
+import types
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+_spec = importlib.util.spec_from_file_location("greedy_parity", ROOT / "bench" / "greedy_parity.py")
+gp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gp)
+
+
+def _continuation(prompt: list[int], n: int) -> list[int]:
+    """A deterministic stand-in for a model's greedy continuation of `prompt`."""
+    rng = random.Random(hash(tuple(prompt)))
+    return [rng.randrange(4096) for _ in range(n)]
+
+
+def _stub(with_ids: bool = True):
+    seen: list[dict] = []
+    busy = threading.Lock()
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            assert busy.acquire(blocking=False), "two requests at once"
+            try:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                seen.append(body)
+                choice = {"text": "x"}
+                if with_ids:
+                    choice["token_ids"] = _continuation(body["prompt"], body["max_tokens"])
+                data = json.dumps({"choices": [choice]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            finally:
+                busy.release()
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}", seen
+
+
+def test_prompts_are_seeded_and_in_range() -> None:
+    a, b = gp.make_prompts(3, 50, 7), gp.make_prompts(3, 50, 7)
+    assert a == b and a != gp.make_prompts(3, 50, 8)
+    assert all(len(p) == 50 and all(10 <= t < 1000 for t in p) for p in a)
+
+
+def test_first_difference_and_compare() -> None:
+    assert gp.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert gp.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert gp.first_difference([1, 2], [1, 2, 3]) == 2
+    res = gp.compare([[1, 2], [3, 4], [5]], [[1, 2], [3, 9], [5, 6]])
+    assert (res["prompts"], res["equal"], res["differ"]) == (3, 1, 2)
+    assert [r["first_diff"] for r in res["rows"]] == [None, 1, 1]
+    with pytest.raises(ValueError, match="2 server outputs vs 1"):
+        gp.compare([[1], [2]], [[1]])
+
+
+def test_server_side_sends_each_prompt_alone_and_keeps_the_token_ids(tmp_path: Path) -> None:
+    srv, url, seen = _stub()
+    out = tmp_path / "s.json"
+    try:
+        rc = gp.main(["server", "--base-url", url, "--model", "flash", "--prompts", "4",
+                      "--prompt-len", "32", "--max-tokens", "9", "--seed", "3", "--out", str(out)])  # fmt: skip
+    finally:
+        srv.shutdown()
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["prompts"] == gp.make_prompts(4, 32, 3)
+    assert doc["outputs"] == [_continuation(p, 9) for p in doc["prompts"]]
+    assert [b["prompt"] for b in seen] == doc["prompts"]
+    for b in seen:
+        assert b["temperature"] == 0.0 and b["ignore_eos"] and b["return_token_ids"]
+        assert (b["model"], b["max_tokens"]) == ("flash", 9)
+
+
+def test_server_without_token_ids_is_refused(tmp_path: Path, capsys) -> None:
+    srv, url, _ = _stub(with_ids=False)
+    out = tmp_path / "s.json"
+    try:
+        rc = gp.main(
+            ["server", "--base-url", url, "--model", "m", "--prompts", "1", "--out", str(out)]
+        )
+    finally:
+        srv.shutdown()
+    assert rc == 2 and not out.exists()
+    assert "no token_ids" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("diverge_at", [None, 5])
+def test_offline_side_compares_and_says_so(tmp_path: Path, monkeypatch, diverge_at) -> None:
+    prompts = gp.make_prompts(3, 16, 1)
+    server = tmp_path / "s.json"
+    server.write_text(json.dumps({"prompts": prompts, "max_tokens": 8, "command": "x",
+                                  "outputs": [_continuation(p, 8) for p in prompts]}))  # fmt: skip
+    calls: list[tuple] = []
+
+    class FakeLLM:
+        @classmethod
+        def from_engine_args(cls, ea):
+            calls.append(("engine", ea))
+            return cls()
+
+        def generate(self, batch, sp, use_tqdm=False):
+            assert len(batch) == 1, "one prompt per call (batch 1, as the server ran them)"
+            calls.append(("generate", sp))
+            ids = _continuation(batch[0]["prompt_token_ids"], sp["max_tokens"])
+            if diverge_at is not None and len([c for c in calls if c[0] == "generate"]) == 2:
+                ids[diverge_at] += 1
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids)])]
+
+    @dataclasses.dataclass
+    class FakeEA:
+        model: str = "ckpt"
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams, fake.__version__ = FakeLLM, lambda **kw: kw, "0.21.0"
+    fake_inputs = types.ModuleType("vllm.inputs")
+    fake_inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", fake_inputs)
+    monkeypatch.setattr(gp, "engine_args", lambda flags: (FakeEA(flags[0]), ["--port", "1"]))
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda i: "a GPU")
+    out = tmp_path / "p.json"
+    rc = gp.main(
+        ["offline", "--server", str(server), "--out", str(out), "--", "ckpt", "--port", "1"]
+    )
+    doc = json.loads(out.read_text())
+    assert calls[0] == ("engine", FakeEA("ckpt"))
+    sps = [c[1] for c in calls[1:]]
+    assert len(sps) == 3 and all(
+        sp == {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True} for sp in sps
+    )
+    assert doc["ignored_flags"] == ["--port", "1"] and doc["device"] == "a GPU"
+    if diverge_at is None:
+        assert rc == 0 and doc["verdict"] == "pass" and doc["equal"] == 3
+    else:
+        assert rc == 1 and doc["verdict"] == "fail" and doc["differ"] == 1
+        assert [r["first_diff"] for r in doc["rows"]] == [None, diverge_at, None]
+
+
+def test_offline_refuses_a_missing_server_file(tmp_path: Path, capsys) -> None:
+    rc = gp.main(["offline", "--server", str(tmp_path / "none.json"), "--out", str(tmp_path / "p.json"),
+                  "--", "ckpt"])  # fmt: skip
+    assert rc == 2 and not (tmp_path / "p.json").exists()
+    assert "none.json" in capsys.readouterr().err
+
+
+_ENGINE_ARGS_ON_CPU = r"""
+import json, subprocess, sys
+from vllm import platforms
+from vllm.platforms.cpu import CpuPlatform
+platforms._current_platform = CpuPlatform()  # the venv's vLLM is a CUDA build; no GPU here
+sys.path.insert(0, sys.argv[1] + "/bench")
+import greedy_parity as gp
+flags = subprocess.run(["bash", "-c", '. scripts/dsv4_flags.sh; printf "%s\n" "${DSV4_ENGINE_FLAGS[@]}" '
+                        '"${DSV4_CKPT_FLAGS[@]}"'], cwd=sys.argv[1], capture_output=True, text=True,
+                       check=True).stdout.splitlines()
+flags += ["--served-model-name", "flash", "--max-model-len", "10240", "--max-num-seqs", "128",
+          "--kv-cache-memory-bytes", "16000000000", "--cudagraph-capture-sizes", "1", "2", "4",
+          "--enable-prompt-tokens-details"]
+ea, ignored = gp.engine_args([sys.argv[2], *flags])  # an existing directory: a local model
+cc = ea.compilation_config
+print(json.dumps({"ignored": ignored, "model": ea.model, "kv": ea.kv_cache_dtype, "block": ea.block_size,
+                  "mode": str(cc["cudagraph_mode"] if isinstance(cc, dict) else cc.cudagraph_mode),
+                  "tok": ea.tokenizer_mode, "len": ea.max_model_len, "seqs": ea.max_num_seqs,
+                  "kvb": ea.kv_cache_memory_bytes, "sizes": ea.cudagraph_capture_sizes,
+                  "reasoning": ea.reasoning_parser}))
+"""
+
+
+def test_the_servers_flags_build_the_same_engine_args(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-c", _ENGINE_ARGS_ON_CPU, str(ROOT), str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["ignored"] == ["--tool-call-parser", "deepseek_v4", "--enable-auto-tool-choice",
+                              "--enable-prompt-tokens-details"]  # fmt: skip
+    assert (got["model"], got["kv"], got["block"], got["tok"]) == (
+        str(tmp_path),
+        "fp8",
+        256,
+        "deepseek_v4",
+    )
+    assert "FULL_AND_PIECEWISE" in got["mode"] and got["reasoning"] == "deepseek_v4"
+    assert (got["len"], got["seqs"], got["kvb"], got["sizes"]) == (
+        10240,
+        128,
+        16000000000,
+        [1, 2, 4],
+    )
+
+
+def test_server_down_is_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    srv, url, _ = _stub()
+    srv.shutdown()
+    srv.server_close()
+    out = tmp_path / "s.json"
+    rc = gp.main(["server", "--base-url", url, "--model", "m", "--prompts", "1", "--timeout", "5",
+                  "--out", str(out)])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and not out.exists() and len(err.splitlines()) == 1 and "prompt 0" in err
