@@ -76,6 +76,7 @@ MIN_RUN_S=${MIN_RUN_S:-40}  # a bench point is not started with less time than t
 PPC=${PPC:-3}
 # 1: compile upstream's DeepGEMM kernels in parallel before it starts (bench/deepgemm_prewarm.py)
 DEEPGEMM_PREWARM=${DEEPGEMM_PREWARM:-1}
+# 1: ours' greedy outputs through its server vs LLM.generate (step 4; bench/greedy_parity.py)
 GREEDY=${GREEDY:-1}
 # which server goes first (ORDER="upstream ours" starts upstream first: its cold start JIT-compiles
 # about 1,700 DeepGEMM kernels, about 10 min on a fresh machine)
