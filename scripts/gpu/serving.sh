@@ -17,7 +17,9 @@
 #      a. `vllm bench serve` (bench/serve_bench.py --in-process, one dataset seed per run) on every
 #         SHAPES x CONCS point, repeat 0;
 #      b. per concurrency in PROFILE_CONCS, its decode profile (bench/profile_server.py,
-#         1024-token prompts);
+#         1024-token prompts); per concurrency in HOST_CONCS, its host profile with no profiler
+#         attached (bench/host_profile.py: step time, CPU per server thread, foreign load, and
+#         py-spy stacks of the busiest server processes when PYSPY names a py-spy binary);
 #      c. the further repeats (REPEATS, default 2); then the server is stopped;
 #   3. the copy bandwidth, then bench/serving.py report: serving.json/.md/.png;
 #   4. (GREEDY=1, the default) ours' greedy outputs on bench/greedy_parity.py's prompts, taken
@@ -70,6 +72,8 @@ SHAPES=${SHAPES:-1024x1024 8192x1024}
 CONCS=${CONCS:-1 4 16 64 128}
 REPEATS=${REPEATS:-2}
 PROFILE_CONCS=${PROFILE_CONCS:-1 4 16 64 128}
+HOST_CONCS=${HOST_CONCS:-4 64}
+PYSPY=${PYSPY:-$(command -v py-spy || true)}
 MIN_RUN_S=${MIN_RUN_S:-40}  # a bench point is not started with less time than this left
 # requests per bench point = PPC x concurrency: PPC waves of prefill + decode averaged in one point
 # (with one wave, two repeats of a point differed by up to 15 %)
@@ -90,7 +94,7 @@ note() { echo "$(date -u +%T) [${SECONDS}s] $*" | tee -a "$OUT/summary.txt"; }
 label_of() { case $1 in ours) echo cutedsl-nvfp4 ;; upstream) echo upstream-native ;; esac; }
 
 finish() {
-    cp "$STATE"/serving.* "$STATE"/serve_*.json "$STATE"/profile_*.json "$STATE"/profile_*.md \
+    cp "$STATE"/serving.* "$STATE"/serve_*.json "$STATE"/profile_*.json "$STATE"/profile_*.md "$STATE"/host_*.* \
         "$STATE"/ckpt_bytes_*.txt "$STATE"/copy.json "$STATE"/gen_*.log "$STATE"/cpu_*.log "$STATE"/greedy_*.json "$R"/ 2>/dev/null
     cp "$RUN_DIR"/serve_flash_*.log "$R"/ 2>/dev/null
     df -h "$CKPT_DIR" ${CKPT_DIR_UPSTREAM:+"$CKPT_DIR_UPSTREAM"} >"$R/df.txt" 2>&1
@@ -200,6 +204,21 @@ profile() {  # profile ours|upstream C
     rm -f "$(flash_prof_dir "$n")"/*  # the raw traces are large; the JSON keeps the numbers
 }
 
+host_profile() {  # host_profile ours|upstream C: where the server's CPU goes at decode batch C
+    local n=$1 c=$2 label port pid t
+    label=$(label_of "$n") port=$(flash_port "$n")
+    [ -f "$STATE/host_${n}_c$c.json" ] && return 0
+    pid=$(cat "$RUN_DIR/serve_flash_$n.pid" 2>/dev/null) || return 1
+    t=$(( $(left) - 20 ))
+    [ $t -gt 90 ] && t=90
+    [ $t -ge 45 ] || { note "host profile $label c$c: not run ($t s left)"; return 1; }
+    step "host_${label}_c$c" "$t" "$PYTHON" "$REPO/bench/host_profile.py" \
+        --base-url "http://127.0.0.1:$port" --model flash --pid "$pid" --label "$label" \
+        --concurrency "$c" ${PYSPY:+--py-spy "$PYSPY"} --warm-timeout 40 \
+        --out "$STATE/host_${n}_c$c.json" --md "$STATE/host_${n}_c$c.md"
+    grep -m1 "decode step" "$STATE/host_${n}_c$c.md" 2>/dev/null | tee -a "$OUT/summary.txt"
+}
+
 greedy_server() {  # while ours serves: its greedy outputs on the parity prompts
     [ "$GREEDY" = 1 ] && [ ! -f "$STATE/greedy_server_ours.json" ] || return 0
     step greedy_server_ours 120 "$PYTHON" "$REPO/bench/greedy_parity.py" server \
@@ -280,6 +299,7 @@ for n in $ORDER; do
     note "$n healthy"
     bench_done "$n" 1 || bench_pass "$n" 1
     for c in $PROFILE_CONCS; do profile "$n" "$c"; done
+    for c in $HOST_CONCS; do host_profile "$n" "$c"; done
     [ "$n" = ours ] && greedy_server
     bench_done "$n" "$REPEATS" || bench_pass "$n" "$REPEATS"
     impl_done "$n" || { note "$n: not done yet: call again"; finish; exit 1; }
