@@ -40,6 +40,7 @@ def _model(max_tokens: int) -> torch.nn.Module:
     mlp = torch.nn.Module()
     mlp.gate_up_proj = _linear(2 * i, h, max_tokens)
     mlp.down_proj = _linear(h, i, max_tokens)
+    mlp.gate_up_proj.cutedsl_fused = mlp.down_proj.cutedsl_fused = True  # as shared_mlp_method does
     shared = object.__new__(CuTeDSLSharedMlpMethod)
     shared.swiglu_limit, shared.max_tokens = 10.0, max_tokens
     mlp.quant_method = shared
@@ -67,8 +68,6 @@ def test_jobs_are_what_the_warmups_compile(max_tokens: int, monkeypatch) -> None
     want = _keys(
         runners.linear_jobs(4096, 1024, 1, max_tokens, H200)
         + runners.linear_jobs(256, 512, 4, max_tokens, H200)
-        + runners.linear_jobs(1024, 2048, 1, max_tokens, H200)
-        + runners.linear_jobs(2048, 512, 1, max_tokens, H200)
         + runners.shared_mlp_jobs(2048, 512, 10.0, max_tokens, H200)
         + runners.moe_jobs(16, 2048, 512, 10.0, max_tokens, H200)
     )
@@ -77,6 +76,18 @@ def test_jobs_are_what_the_warmups_compile(max_tokens: int, monkeypatch) -> None
     # wo_a is planned with its groups: the grouped tactic set, not the dense one of N = G*R
     wo_a = _keys(runners.linear_jobs(256, 512, 4, max_tokens, H200))
     assert wo_a <= got
+
+
+def test_fused_linears_get_no_jobs_of_their_own(monkeypatch) -> None:
+    """A linear run by the fused shared-expert runner builds no runner, so nothing may be
+    compiled for it (a compile worker nobody waits for would still run after the server is up)."""
+    monkeypatch.setattr(prefetch, "select_backend", lambda device: "sm90")
+    monkeypatch.setattr(tactics, "gpu_spec", lambda device: H200)
+    model = torch.nn.Module()
+    model.gate_up_proj = _linear(1024, 2048, 256)
+    assert prefetch.kernel_jobs(model)
+    model.gate_up_proj.cutedsl_fused = True
+    assert prefetch.kernel_jobs(model) == []
 
 
 def test_other_backends_get_no_jobs(monkeypatch) -> None:

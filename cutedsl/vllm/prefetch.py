@@ -38,6 +38,8 @@ def kernel_jobs(model: torch.nn.Module) -> list[jit.Job]:
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, CuTeDSLNvFp4LinearMethod):
+            if getattr(module, "cutedsl_fused", False):
+                continue  # run by its fused shared-expert runner, which builds no linear runner
             w = module.weight
             if select_backend(w.device) != "sm90":
                 continue
