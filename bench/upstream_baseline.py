@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """vLLM on a tiny DSv4 checkpoint vs the golden reference: pristine vLLM 0.21.0 on the native
-checkpoint (the upstream baseline), or, with `--format nvfp4|nvidia-mixed` and our overlay applied,
-our NVFP4 path end to end (the JSON records the sha256 of the deepseek_v4.py that ran).
+checkpoint (the upstream baseline), or, with `--format nvfp4|nvidia-mixed|ct-nvfp4-fp8` and our
+overlay applied, our NVFP4 path end to end (the JSON records the sha256 of the deepseek_v4.py that
+ran).
 
     python bench/upstream_baseline.py --out out/upstream_baseline.json \
-        [--format native|nvfp4|nvidia-mixed] [--ckpt DIR] [--hidden 2048] [--modes eager,graph]
+        [--format native|nvfp4|nvidia-mixed|ct-nvfp4-fp8] [--ckpt DIR] [--hidden 2048] [--modes eager,graph]
         [--decode 16] [--prompt-lens 17,300] [--hooks] [--no-mhc-check] [--timeout 420]
 
 Needs a GPU and vLLM 0.21.0 (scripts/gpu/e2e.sh runs every format at once). Steps:
@@ -380,8 +381,8 @@ def main() -> int:
     ap.add_argument(
         "--format",
         default="native",
-        choices=["native", "nvfp4", "nvidia-mixed"],
-        help="tiny checkpoint to generate; nvfp4/nvidia-mixed need our overlay applied",
+        choices=["native", "nvfp4", "nvidia-mixed", "ct-nvfp4-fp8"],
+        help="tiny checkpoint to generate; all but native need our overlay applied",
     )
     ap.add_argument("--modes", default="eager,graph")
     ap.add_argument("--decode", type=int, default=16)

@@ -148,6 +148,58 @@ def test_missing_scale_is_named(pristine: Path, tmp_path: Path, ckpt: str, tenso
     assert f"{tensor} is missing" in msg, msg
 
 
+@pytest.mark.parametrize(
+    "tensor,how,want",
+    [
+        (
+            "layers.2.ffn.experts.5.w2.weight_global_scale",
+            "drop",
+            "its NVFP4 scale layers.2.ffn.experts.5.w2.weight_global_scale is missing",
+        ),
+        (
+            "layers.0.ffn.experts.1.w3.input_global_scale",
+            "drop",
+            "its NVFP4 scale layers.0.ffn.experts.1.w3.input_global_scale is missing",
+        ),
+        ("layers.1.ffn.experts.2.w1.weight_scale", "f32", "expected dtype F8_E4M3"),
+        ("layers.1.ffn.experts.2.w1.weight_scale", "short", "expected shape [256, 64]"),
+        ("layers.0.ffn.experts.0.w2.weight_global_scale", "vector", "expected one element"),
+        (
+            "layers.1.attn.wq_b.weight_scale",
+            "drop",
+            "its FP8 scale layers.1.attn.wq_b.scale is missing",
+        ),
+        ("layers.1.attn.wq_b.weight_scale", "short", "expected shape [64, 2]"),
+    ],  # fmt: skip
+)
+def test_compressed_tensors_faults_are_named(
+    pristine: Path, tmp_path: Path, tensor: str, how: str, want: str
+) -> None:
+    """Red Hat's layout: NVFP4 experts as `.weight_packed` + `.weight_scale` +
+    `.weight_global_scale` + `.input_global_scale`, FP8 block attention with BF16 scales."""
+    import torch
+
+    def change(ts):
+        t = ts.pop(tensor)
+        if how != "drop":
+            ts[tensor] = {
+                "f32": lambda: t.float(),
+                "short": lambda: t[:, :-1].contiguous(),
+                "vector": lambda: torch.cat([t.reshape(1), t.reshape(1)]),
+            }[how]()
+
+    ck = _copy(pristine, "ct-nvfp4-fp8", tmp_path / "ck")
+    _rewrite(ck, tensor, change)
+    msg = _fault(ck)
+    assert want in msg and msg.count("\n") == 0, msg
+    head = tensor.rpartition(".")[0]
+    assert (
+        f"tensor {tensor!r}" in msg
+        or f"tensor {head + '.weight_packed'!r}" in msg
+        or (f"tensor {head + '.weight'!r}" in msg)
+    ), msg
+
+
 def test_experts_of_a_mixed_checkpoint_stay_nvfp4(pristine: Path, tmp_path: Path) -> None:
     """An NVIDIA-mixed expert that lost every scale is reported as NVFP4 (moe_quant_algo), not
     as an MXFP4 expert without its `.scale`."""

@@ -43,17 +43,27 @@ REPO = Path(__file__).resolve().parents[1]
 # Small but complete: layer 0 = SWA + hash MoE, 1 = C4 + indexer + hash MoE, 2 = C128 + scored MoE.
 TINY = {"hidden_size": 1024, "n_routed_experts": 8, "num_experts_per_tok": 4}
 LAYERS = 3
-CASES = ("nvfp4/native", "nvfp4/hf", "nvidia-mixed/native", "native/native", "bf16/native")
-BROKEN = ("nvfp4/native:missing", "nvfp4/native:badshape", "nvfp4/native:marlin")
+CASES = (
+    "nvfp4/native",
+    "nvfp4/hf",
+    "nvidia-mixed/native",
+    "ct-nvfp4-fp8/native",
+    "native/native",
+    "bf16/native",
+)
+BROKEN = (
+    "nvfp4/native:missing",
+    "nvfp4/native:badshape",
+    "nvfp4/native:marlin",
+    "ct-nvfp4-fp8/native:chanattn",  # a compressed-tensors scheme not served: refused
+)
 # The runners on the sm90 backend with the kernel launch emulated in torch (tests/nvfp4_data.py):
 # what a GPU load leaves in the layers (the checkpoint-layout weights released).
 SM90_EMU = "nvfp4/native:sm90emu"
 PRISTINE_CASES = ("native/native", "nvidia-mixed/native")
 # vLLM 0.21.0's MTP draft model (deepseek_v4_mtp.py, whose block is our overlaid
 # DeepseekV4DecoderLayer) on a checkpoint with num_nextn_predict_layers = 1, per MTP block format.
-MTP_CASES = ("mtp:nvfp4", "mtp:nvidia-mixed", "mtp:native", "mtp:bf16")
-# compressed-tensors (Red Hat's layout): refused at construction with a line naming config.json.
-CT_CASE = "ct-nvfp4-fp8/native:refused"
+MTP_CASES = ("mtp:nvfp4", "mtp:nvidia-mixed", "mtp:ct-nvfp4-fp8", "mtp:native", "mtp:bf16")
 # Created by upstream vLLM, absent from DeepSeek's checkpoints and never used in forward
 # (research/vllm021_dsv4.md §1.1): not expected to be filled.
 UNLOADED_UPSTREAM = (".indexer.k_norm.",)
@@ -102,7 +112,7 @@ def _construction_shims(fmt: str):
             classmethod(lambda cls, device_id=0: DeviceCapability(9, 0)),
         )
     )
-    if fmt in ("native", "nvidia-mixed"):
+    if fmt in ("native", "nvidia-mixed", "ct-nvfp4-fp8"):
         stack.enter_context(
             mock.patch.object(
                 CPUFp8BlockScaledMMKernel,
@@ -373,6 +383,40 @@ def _broken_load(model, weights, variant: str) -> dict:
     return {"raised": None}
 
 
+def _ct_as_modelopt(ck: dict) -> dict:
+    """compressed-tensors NVFP4 tensors under ModelOpt's names and conventions, written here
+    from the format's definition (global scales are divisors), for the dequantized math."""
+    out = {}
+    for k, v in ck.items():
+        head, _, leaf = k.rpartition(".")
+        if leaf == "weight_packed":
+            out[f"{head}.weight"] = v
+        elif leaf in ("weight_global_scale", "input_global_scale"):
+            new = "weight_scale_2" if leaf == "weight_global_scale" else "input_scale"
+            out[f"{head}.{new}"] = v.float().reciprocal().reshape(())
+        else:
+            out[k] = v
+    return out
+
+
+def _ct_fp8_scales_exact(model, ck: dict) -> dict:
+    """Per FP8 linear: its loaded block scales equal the checkpoint's BF16 ones (fused_wqa_wkv:
+    wq_a's rows, then wkv's)."""
+    import torch
+
+    res = {}
+    for li in range(LAYERS):
+        a = model.model.layers[li].attn
+        for mod, parts in (("fused_wqa_wkv", ("wq_a", "wkv")), ("wq_b", ("wq_b",)),
+                           ("wo_a", ("wo_a",)), ("wo_b", ("wo_b",))):  # fmt: skip
+            got = getattr(a, mod).weight_scale_inv.data.float()
+            want = torch.cat([ck[f"layers.{li}.attn.{p}.weight_scale"].float() for p in parts])
+            res[f"layers.{li}.attn.{mod}"] = bool(
+                got.dtype == torch.float32 and torch.equal(got, want)
+            )
+    return res
+
+
 def _run_mtp_case(fmt: str, tmp: str) -> dict:
     """Build DeepSeekV4MTP from an MTP-bearing checkpoint, load it, report methods and fill."""
     from unittest import mock
@@ -453,6 +497,16 @@ def _run_case(case: str, tmp: str) -> dict:
         cfg = json.load(open(f"{ckpt}/config.json"))
     else:
         cfg = tiny_model.generate(ckpt, fmt, names, overrides=TINY, layers=LAYERS)
+    if variant == "chanattn":  # the attention group FP8 per channel instead of 128x128 blocks
+        import shutil
+
+        src, ckpt = ckpt, f"{ckpt}-chanattn"
+        if not os.path.exists(ckpt):
+            shutil.copytree(src, ckpt)
+            c = json.load(open(f"{ckpt}/config.json"))
+            g0 = c["quantization_config"]["config_groups"]["group_0"]["weights"]
+            g0.update(strategy="channel", block_structure=None)
+            json.dump(c, open(f"{ckpt}/config.json", "w"))
     vc = _vllm_config(ckpt, **({"moe_backend": "marlin"} if variant == "marlin" else {}))
     rep: dict = {"quant_config": type(vc.quant_config).__name__}
     with set_current_vllm_config(vc):
@@ -461,14 +515,14 @@ def _run_case(case: str, tmp: str) -> dict:
 
         from cutedsl.vllm.quant import dsv4_quant_config
 
-        if variant != "refused":
-            rep["dispatch_is_upstream_config"] = dsv4_quant_config(vc) is vc.quant_config
+        rep["dispatch_is_upstream_config"] = dsv4_quant_config(vc) is vc.quant_config
+        rep["dispatch_config"] = type(dsv4_quant_config(vc)).__name__
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         # as vLLM's BaseModelLoader.load_model: default dtype, then the model on the target device
         with _construction_shims(fmt), set_default_torch_dtype(vc.model_config.dtype):
             with torch.device("cpu"):
-                if variant in ("marlin", "refused"):  # raises at construction
+                if variant in ("marlin", "chanattn"):  # raises at construction
                     try:
                         DeepseekV4ForCausalLM(vllm_config=vc, prefix="")
                     except Exception as e:
@@ -489,7 +543,7 @@ def _run_case(case: str, tmp: str) -> dict:
             n: [str(p.dtype).removeprefix("torch."), list(p.shape)]
             for n, p in model.named_parameters()
         }
-        if fmt in ("nvfp4", "nvidia-mixed"):
+        if fmt in ("nvfp4", "nvidia-mixed", "ct-nvfp4-fp8"):
             from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod
             from cutedsl.vllm.moe_experts import CuTeDSLModelOptNvFp4FusedMoE
             from cutedsl.vllm.oproj import is_nvfp4_oproj
@@ -515,6 +569,9 @@ def _run_case(case: str, tmp: str) -> dict:
             ck = _ckpt_tensors(ckpt)
             if names == "hf":
                 ck = {N.hf_to_native(k): v for k, v in ck.items()}
+            if fmt == "ct-nvfp4-fp8":
+                rep["fp8_scales_exact"] = _ct_fp8_scales_exact(model, ck)
+                ck = _ct_as_modelopt(ck)
             packed = {
                 n: all(st == 0 for st in p.stride())  # a zero-stride placeholder: released
                 for n, p in model.named_parameters()
@@ -608,7 +665,7 @@ def _run_harness(workdir: Path, name: str, cases: tuple[str, ...], *flags: str) 
 
 @pytest.fixture(scope="module")
 def report(workdir: Path) -> dict:
-    return _run_harness(workdir, "overlay", (*CASES, *BROKEN, SM90_EMU, *MTP_CASES, CT_CASE))
+    return _run_harness(workdir, "overlay", (*CASES, *BROKEN, SM90_EMU, *MTP_CASES))
 
 
 @pytest.fixture(scope="module")
@@ -824,11 +881,50 @@ def test_pristine_cannot_load_nvidia_mixed(pristine_report: dict) -> None:
     assert err.startswith("KeyError") and ".ffn.experts." in err, err
 
 
-def test_compressed_tensors_is_refused_naming_config_json(report: dict) -> None:
-    rep = _case(report, CT_CASE)
+def test_compressed_tensors_fp8_attention_nvfp4_experts(report: dict) -> None:
+    """Red Hat's layout served as it is: FP8 block attention upstream's (float32 block scales,
+    the checkpoint's BF16 ones exactly), NVFP4 routed experts ours, BF16 shared experts and
+    indexer unquantized; every parameter filled."""
+    rep = _case(report, "ct-nvfp4-fp8/native")
+    assert rep["quant_config"] == "CompressedTensorsConfig"
+    assert rep["dispatch_config"] == "CompressedTensorsDsv4Config"
+    m, p = rep["methods"], rep["params"]
+    for li in range(LAYERS):
+        a, f = f"model.layers.{li}.attn", f"model.layers.{li}.ffn"
+        for lin in ("fused_wqa_wkv", "wq_b", "wo_a", "wo_b"):
+            assert m[f"{a}.{lin}"].startswith("Fp8LinearMethod"), (lin, m[f"{a}.{lin}"])
+            assert p[f"{a}.{lin}.weight"][0] == "float8_e4m3fn"
+            assert p[f"{a}.{lin}.weight_scale_inv"][0] == "float32"
+        assert m[f"{f}.shared_experts.gate_up_proj"] == "UnquantizedLinearMethod"
+        assert m[f"{f}.experts"] == "CuTeDSLModelOptNvFp4FusedMoE"
+        assert p[f"{f}.experts.w13_weight_scale"][0] == "float8_e4m3fn"
+    assert m["model.layers.1.attn.indexer.wq_b"] == "UnquantizedLinearMethod"
+    assert rep["fp8_scales_exact"] and all(rep["fp8_scales_exact"].values()), rep[
+        "fp8_scales_exact"
+    ]
+    assert rep["unfilled"] == [], rep["unfilled"]
+    assert rep["wo_a_is_nvfp4_oproj"] == [False] * LAYERS
+    assert rep["fused_experts"] == ["CuTeDSLMoEExperts"] * LAYERS
+
+
+def test_compressed_tensors_scheme_not_served_is_refused(report: dict) -> None:
+    rep = report["ct-nvfp4-fp8/native:chanattn"]
     assert rep["raised"] == "NotImplementedError", rep
-    assert "/config.json: quantization_config is compressed-tensors" in rep["message"]
-    assert "dsv4-quantize SRC DST" in rep["message"]
+    msg = rep["message"]
+    assert (
+        "ct-nvfp4-fp8-native-chanattn/config.json: quantization_config (compressed-tensors)" in msg
+    )
+    assert "model.layers.0.attn.fused_wqa_wkv" in msg and "8-bit float channel" in msg, msg
+    assert "\n" not in msg
+
+
+def test_compressed_tensors_experts_match_dequantized_math(report: dict) -> None:
+    """Our experts on the renamed tensors vs torch math on the checkpoint's own (global scales
+    taken as divisors); a global scale not inverted would be off by its square."""
+    n = _case(report, "ct-nvfp4-fp8/native")["numerics"]
+    for li in (0, 2):
+        assert n[f"moe_layer{li}"] < 2e-2 and n[f"moe_layer{li}_nan"] == 0, n
+        assert n[f"moe_layer{li}_vs_unclamped"] > 0.1, n  # the clamp bites: the check can fail
 
 
 @pytest.mark.parametrize("case", MTP_CASES)
@@ -857,6 +953,9 @@ def test_mtp_block_methods_per_format(report: dict) -> None:
     native = _case(report, "mtp:native")["methods"]
     assert native[f"{b}.ffn.experts"] == "Mxfp4MoEMethod"
     assert not any("CuTeDSL" in v for v in native.values())
+    ct = _case(report, "mtp:ct-nvfp4-fp8")["methods"]  # the recipe ignores mtp.*: BF16
+    assert ct[f"{b}.attn.wq_b"] == ct[f"{b}.attn.wo_a"] == "UnquantizedLinearMethod"
+    assert ct[f"{b}.ffn.experts"] == "UnquantizedFusedMoEMethod"
     bf16 = _case(report, "mtp:bf16")["methods"]
     assert bf16[f"{b}.ffn.experts"] == "UnquantizedFusedMoEMethod"
 
@@ -872,7 +971,7 @@ if __name__ == "__main__":
     a = ap.parse_args()
     _harness(
         a.harness,
-        a.cases or [*CASES, *BROKEN, SM90_EMU, *MTP_CASES, CT_CASE],
+        a.cases or [*CASES, *BROKEN, SM90_EMU, *MTP_CASES],
         a.workdir,
         a.pristine,
     )

@@ -2,6 +2,7 @@
 
 Imported only inside a vLLM process (they import vLLM); the math lives in the runners.
   quant        which quant config / methods a DSv4 layer gets (the dispatch the overlay calls)
+  ct           compressed-tensors checkpoints: their per-layer schemes and tensor names
   linear_kernel  `CuTeDSLNvFp4LinearKernel` (an `NvFp4LinearKernel`) + its `LinearMethod`
   oproj        wo_a: inverse RoPE -> grouped NVFP4 o-projection (deepseek_v4_attention.py hook)
   shared_mlp   the shared expert's fused runner (a `QuantizeMethodBase` on `DeepseekV4MLP`)

@@ -5,7 +5,8 @@ Hook in `DeepseekV4ForCausalLM.load_weights` (deepseek_v4.py), in place of
 `loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)`:
     loaded_params = checked_load(self, loader, weights, self.hf_to_vllm_mapper)
 A loader error keeps its type and message (upstream behaviour) and gets a note naming the
-checkpoint tensor, its shape and dtype. vLLM 0.21.0 does not track missing weights for quantized
+checkpoint tensor, its shape and dtype. A compressed-tensors checkpoint's tensors are renamed on
+the way (`cutedsl.vllm.ct.ct_tensor`); the note names them as the checkpoint does. vLLM 0.21.0 does not track missing weights for quantized
 models (default_loader.py: only when `quantization is None`), so a missing NVFP4 tensor would
 silently leave `torch.empty` memory; for models with our methods `checked_load` raises a
 ValueError naming every missing parameter (and, for routed experts, which it tracks per expert,
@@ -26,7 +27,7 @@ engine fails before it allocates the weights and the KV cache. A model that is n
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import regex as re
 import torch
@@ -35,6 +36,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
 from cutedsl.vllm import prefetch
+from cutedsl.vllm.ct import ct_tensor, is_ct
 from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod
 from cutedsl.vllm.moe_experts import CuTeDSLModelOptNvFp4FusedMoE
 from cutedsl.vllm.names import HF_TO_NATIVE_REGEX
@@ -56,8 +58,16 @@ def _native(name: str) -> str:
 
 
 class _Tracked:
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """The checkpoint's tensors, each passed through `rename` (`current`: the one being loaded,
+    as the checkpoint names it; `seen`: every name as renamed)."""
+
+    def __init__(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        rename: Callable[[str, torch.Tensor], tuple[str, torch.Tensor]] | None = None,
+    ) -> None:
         self._weights = weights
+        self._rename = rename
         self.current: tuple[str, torch.Tensor] | None = None
         self.seen: set[str] = set()
 
@@ -70,6 +80,8 @@ class _Tracked:
             except StopIteration:
                 return
             self.current = (name, tensor)
+            if self._rename is not None:
+                name, tensor = self._rename(name, tensor)
             self.seen.add(name)
             yield name, tensor
 
@@ -111,7 +123,8 @@ def checked_load(
     background processes, while the weights load."""
     if _uses_ours(model):
         prefetch.start(model)
-    tracked = _Tracked(weights)
+    ct = is_ct(getattr(getattr(model, "config", None), "quantization_config", None))
+    tracked = _Tracked(weights, ct_tensor if ct else None)
     try:
         loaded = loader.load_weights(tracked, mapper=mapper)
     except Exception as e:

@@ -10,12 +10,14 @@ and raises `CheckpointFault` (a ValueError, one line naming the file and the ten
 - a quantized linear without its scales, or with a scale of the wrong dtype or shape:
     NVFP4 (`.weight` U8 [N, K/2]): `.weight_scale` F8_E4M3 [N, K/16], `.weight_scale_2` and
       `.input_scale` F32 with one element (ModelOpt's layout; cutedsl/formats.py);
+    compressed-tensors NVFP4 (`.weight_packed` U8 [N, K/2]): `.weight_scale` F8_E4M3 [N, K/16],
+      `.weight_global_scale` and `.input_global_scale` F32 with one element;
     MXFP4 (`.weight` U8 [N, K/2] + `.scale`): `.scale` F8_E8M0 [N, K/32] (DeepSeek's experts);
     FP8 block (`.weight` F8_E4M3 [N, K]): a `.scale` / `.weight_scale_inv` / `.weight_scale`,
       [ceil(N/128), ceil(K/128)] when 2-D;
   a U8 `.weight` with no scale at all is NVFP4 when the config says so (quant_method modelopt,
-  or moe_quant_algo NVFP4 for routed experts), MXFP4 otherwise; scales without their `.weight`
-  are named too (compressed-tensors' `.weight_packed` is left to its own refusal);
+  or moe_quant_algo NVFP4 for routed experts), MXFP4 otherwise; scales without their weight
+  are named too;
 - a config whose n_routed_experts disagrees with the tensors: an expert index >= n_routed_experts,
   an expert of range(n_routed_experts) with no tensor in a MoE layer, or a router
   (`gate.weight`, `gate.bias` / `e_score_correction_bias`) whose first dimension differs.
@@ -38,6 +40,7 @@ _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0":
              "I64": 8, "U64": 8, "F64": 8}  # fmt: skip
 _EXPERT = re.compile(r"^(.+)\.(ffn|mlp)\.experts\.(\d+)\.")
 _NVFP4_SCALES = ("weight_scale", "weight_scale_2", "input_scale")
+_CT_NVFP4_SCALES = ("weight_scale", "weight_global_scale", "input_global_scale")
 _FP8_SCALES = ("scale", "weight_scale_inv", "weight_scale")
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
@@ -171,11 +174,24 @@ def check_scales(ts: dict[str, _Tensor], quant: dict | None) -> None:
         prefix, _, leaf = name.rpartition(".")
         # `.scale` is also an mHC parameter's name in HF naming (`attn_hc.scale`, F32): only
         # an E8M0 `.scale` is a block scale.
-        is_scale = leaf in (*_NVFP4_SCALES, "weight_scale_inv") or (
+        is_scale = leaf in (*_NVFP4_SCALES, *_CT_NVFP4_SCALES, "weight_scale_inv") or (
             leaf == "scale" and ts[name].dtype == "F8_E8M0"
         )
         if is_scale and f"{prefix}.weight" not in ts and f"{prefix}.weight_packed" not in ts:
             raise _fault(ts[name], name, f"a scale without its weight {prefix + '.weight'!r}")
+        if leaf == "weight_packed":
+            w = ts[name]
+            if w.dtype != "U8" or len(w.shape) != 2:
+                raise _fault(w, name, "expected dtype U8 and 2 dims (compressed-tensors NVFP4)")
+            n, kp = w.shape
+            for s in _CT_NVFP4_SCALES:
+                if f"{prefix}.{s}" not in ts:
+                    raise _fault(w, name, f"its NVFP4 scale {prefix}.{s} is missing")
+            _check_scale(ts, f"{prefix}.weight_scale", ("F8_E4M3",), [n, kp // 8],
+                         f"NVFP4 block scales of {name} [N, K/16], K = {2 * kp}")  # fmt: skip
+            for s in _CT_NVFP4_SCALES[1:]:
+                _check_scale(ts, f"{prefix}.{s}", ("F32",), None, "NVFP4 global scale")
+            continue
         if leaf != "weight":
             continue
         w = ts[name]

@@ -9,9 +9,10 @@
 - NVIDIA's mixed checkpoints (`quant_method: fp8` + `moe_quant_algo: NVFP4`) resolve to
   `DeepseekV4FP8Config`; its routed experts get `nvfp4_moe_method_for_fp8_config` (FP8 block
   linears everywhere else, upstream).
-- compressed-tensors checkpoints (RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 and its MTP variant) are
-  refused with one line naming config.json: `dsv4-quantize SRC DST` converts them (losslessly for
-  the NVFP4 experts) into a full NVFP4 ModelOpt checkpoint, which is served.
+- compressed-tensors checkpoints (RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 and its MTP variant) get
+  `cutedsl.vllm.ct.dsv4_ct_config`: the same split as NVIDIA's mixed ones (NVFP4 routed experts
+  ours, FP8 block linears upstream's), each layer's scheme read from the checkpoint's own
+  compressed-tensors config; their tensors are renamed while loading (`cutedsl.vllm.ct`).
 - Anything else (native FP8 + MXFP4, FP8 experts, bf16 / no quantization, W4A16_NVFP4) is returned
   as is: upstream behaviour exactly.
 """
@@ -30,6 +31,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 )
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
+from cutedsl.vllm.ct import dsv4_ct_config
 from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod
 from cutedsl.vllm.moe_experts import nvfp4_moe_method
 
@@ -38,11 +40,7 @@ def dsv4_quant_config(vllm_config: VllmConfig) -> QuantizationConfig | None:
     """The quant config DSv4's attention and MoE modules build their layers with."""
     qc = vllm_config.quant_config
     if isinstance(qc, CompressedTensorsConfig):
-        raise NotImplementedError(
-            f"{vllm_config.model_config.model}/config.json: quantization_config is "
-            "compressed-tensors; DeepSeek V4 is served from ModelOpt NVFP4 here: convert it with "
-            "`dsv4-quantize SRC DST` (NVFP4 experts carried over losslessly) and serve DST"
-        )
+        return dsv4_ct_config(vllm_config)
     if type(qc) is not ModelOptNvFp4Config or qc.quant_method != "NVFP4":
         return qc  # W4A16_NVFP4 keeps upstream's Marlin method
     ours = copy.copy(qc)

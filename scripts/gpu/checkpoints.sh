@@ -2,14 +2,14 @@
 # The published NVFP4 DSv4 layouts on the GPU (tiny checkpoints, cutedsl.tools.tiny_model) and MTP.
 #   phase 1 (~8 min): generate nvidia-mixed (NVIDIA ModelOpt), ct-nvfp4-fp8 (compressed-tensors)
 #     and their MTP-bearing twins; convert with dsv4-quantize; LLM.generate vs the golden reference,
-#     eager + CUDA graphs (bench/upstream_baseline.py): nvidia-mixed served directly, ct-nvfp4-fp8
-#     and nvidia-mixed through their converted full-NVFP4 checkpoints; whether pristine vLLM 0.21.0
-#     loads each raw layout (and its error), and our overlay's line for compressed-tensors.
+#     eager + CUDA graphs (bench/upstream_baseline.py): nvidia-mixed and ct-nvfp4-fp8 served
+#     directly, and both through their converted full-NVFP4 checkpoints; whether pristine vLLM
+#     0.21.0 loads each raw layout (and its error), and whether ours does.
 #     -> $OUT/checkpoints.json (+ ck_*.json per run, probe_*.json)
 #   phase 2 (~8 min): --speculative-config '{"method": "mtp", "num_speculative_tokens": k}',
 #     k = 0 (no speculation), 1, 2, 3, eager and CUDA graphs, on nvfp4 (NVFP4 MTP block),
-#     nvidia-mixed (FP8 MTP block, NVFP4 experts), the converted ct-nvfp4-fp8 (BF16 MTP block at the
-#     source) with our overlay, and native (FP8 + MXFP4) on pristine vLLM: greedy tokens vs k = 0,
+#     nvidia-mixed (FP8 MTP block, NVFP4 experts), ct-nvfp4-fp8 (BF16 MTP block) served directly,
+#     with our overlay, and native (FP8 + MXFP4) on pristine vLLM: greedy tokens vs k = 0,
 #     acceptance rate, TPOT. -> $OUT/mtp.json
 #   bash scripts/gpu/checkpoints.sh [1|2]   (both when no argument)
 # Environment: scripts/gpu/env.sh; LIMIT (500 s per step).
@@ -113,6 +113,7 @@ if [[ $PHASE == *1* ]]; then
             --kv-bytes 2000000000 --timeout $((LIMIT - 60)) --out "$R/ck_$name.json"
     }
     e2e nvidia-mixed "$CK/nvidia-mixed" nvidia-mixed "${OURS[@]}" & pids+=($!)
+    e2e ct-nvfp4-fp8 "$CK/ct-nvfp4-fp8" ct-nvfp4-fp8 "${OURS[@]}" & pids+=($!)
     e2e nvidia-mixed.nvfp4 "$CK/nvidia-mixed.nvfp4" nvfp4 "${OURS[@]}" & pids+=($!)
     e2e ct-nvfp4-fp8.nvfp4 "$CK/ct-nvfp4-fp8.nvfp4" nvfp4 "${OURS[@]}" & pids+=($!)
     for l in nvidia-mixed ct-nvfp4-fp8; do
@@ -124,6 +125,7 @@ if [[ $PHASE == *1* ]]; then
 import json, os, subprocess, sys
 R = sys.argv[1]
 runs = {"nvidia-mixed (served directly)": "ck_nvidia-mixed.json",
+        "ct-nvfp4-fp8 (served directly)": "ck_ct-nvfp4-fp8.json",
         "nvidia-mixed -> dsv4-quantize -> nvfp4": "ck_nvidia-mixed.nvfp4.json",
         "ct-nvfp4-fp8 -> dsv4-quantize -> nvfp4": "ck_ct-nvfp4-fp8.nvfp4.json"}
 for label, fn in runs.items():  # distinct row labels in the table
@@ -148,10 +150,9 @@ if [[ $PHASE == *2* ]]; then
     gen nvidia-mixed-mtp nvidia-mixed "$MTP"
     gen ct-nvfp4-fp8-mtp ct-nvfp4-fp8 "$MTP"
     gen native-mtp native "$MTP"
-    conv ct-nvfp4-fp8-mtp
     pids=()
     for mode in eager graph; do
-        for c in nvfp4-mtp nvidia-mixed-mtp ct-nvfp4-fp8-mtp.nvfp4; do
+        for c in nvfp4-mtp nvidia-mixed-mtp ct-nvfp4-fp8-mtp; do
             step "mtp_${c}_$mode" "$LIMIT" "${OURS[@]}" "$PYTHON" -c "$MTPRUN" "$CK/$c" "$mode" "$R/mtp_${c}_$mode.json" & pids+=($!)
         done
         step "mtp_native-mtp_$mode" "$LIMIT" "${UPSTREAM[@]}" "$PYTHON" -c "$MTPRUN" "$CK/native-mtp" "$mode" "$R/mtp_native-mtp_$mode.json" & pids+=($!)
