@@ -262,7 +262,9 @@ def test_help_runs():
     assert "{flash,pro,all,both}" in r.stdout
 
 
-@pytest.mark.parametrize("name", ["gemm_sm90", "swiglu", "merge_gemm", "tune_sm90", "__main__"])
+@pytest.mark.parametrize(
+    "name", ["gemm_sm90", "swiglu", "merge_gemm", "tune_sm90", "quack_anchor", "__main__"]
+)
 def test_every_module_has_help_with_examples(name, capsys):
     import importlib
 
@@ -608,3 +610,91 @@ def test_merge_rerun_replaces_measured_fields(tmp_path):
     assert "re-run" in md.read_text()
     pr.write_text(json.dumps(dict(meta, device="H100", rows=rerun)))
     assert MG.main([str(pf), "--rerun", str(pr)]) == 2
+
+
+# ------------------------------------------------------------------------------ quack column
+
+
+def _stand_in_quack_env(tmp_path, rows_for) -> str:
+    """A bash env file whose python3 is a stand-in worker: it checks that the checkout is on
+    PYTHONPATH and writes `rows_for(spec)` as the worker's OUT."""
+    import textwrap
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "rows.json").write_text(json.dumps(rows_for))
+    stub = bin_dir / "python3"
+    stub.write_text(
+        textwrap.dedent(f"""\
+        #!{sys.executable}
+        import json, os, sys
+        assert sys.argv[1:3] == ["-m", "cutedsl.bench.quack_anchor"], sys.argv
+        assert os.path.isdir(os.path.join(os.environ["PYTHONPATH"].split(":")[0], "cutedsl"))
+        spec = json.load(open(sys.argv[3]))
+        rows = json.load(open({str(tmp_path / "rows.json")!r}))
+        rows = [r for r in rows if r["shape"] in {{s["name"] for s in spec["shapes"]}}]
+        json.dump({{"meta": {{"quack": "0.6.5", "budget": sys.argv[5]}}, "rows": rows}},
+                  open(sys.argv[4], "w"))
+        """)
+    )
+    stub.chmod(0o755)
+    env = tmp_path / "env.sh"
+    env.write_text(f'export PATH="{bin_dir}:$PATH"\n')
+    return str(env)
+
+
+def test_quack_column_through_its_own_environment(tmp_path):
+    rows_out = [
+        {"shape": "flash.wq_b", "M": 1, "us": 10.0, "rel_err": 1e-3, "tactic": [16, 128, 1],
+         "error": None},
+        {"shape": "flash.wq_b", "M": 16, "us": None, "rel_err": 0.5, "tactic": None,
+         "error": "wrong result: max rel err 0.5 > 0.02"},
+    ]  # fmt: skip
+    env = _stand_in_quack_env(tmp_path, rows_out)
+    shapes = {s.name: s for s in B.SHAPES["flash"]}
+    wq_b, wo_a = shapes["wq_b"], next(s for s in B.SHAPES["flash"] if s.kind == "grouped")
+    res = B.run_quack(env, [("flash.wq_b", wq_b)], [1, 16], B.Budget(100.0))
+    assert res["meta"]["quack"] == "0.6.5" and 49 < float(res["meta"]["budget"]) <= 50  # half left
+    rows = {m: B.new_row("flash", wq_b, m) for m in (1, 4, 16)}
+    for r in rows.values():
+        r["us"] = 8.0
+    B.fill_quack("flash.wq_b", wq_b, [1, 4, 16], rows, res)
+    r1, r4, r16 = (B.finalize_row(rows[m], 3000.0) for m in (1, 4, 16))
+    assert r1["quack_us"] == 10.0 and r1["x_quack"] == 1.25 and r1["quack_tactic"] == [16, 128, 1]
+    assert r4["quack_us"] is None and r4["quack_error"] == "not measured"
+    assert r16["x_quack"] is None and "wrong result" in r16["quack_error"]
+    assert B._cell(r16, "notes", "s").startswith("quack: wrong result")
+    grouped = {m: B.new_row("flash", wo_a, m) for m in (1,)}
+    B.fill_quack(f"flash.{wo_a.name}", wo_a, [1], grouped, res)
+    assert (
+        B._cell(grouped[1], "quack_us", ".1f") == "n/a" and B._cell(grouped[1], "notes", "s") == ""
+    )
+    assert B.summarize([r1, r4, r16])["x_quack_geomean"] == 1.25
+
+
+def test_quack_environment_failure_is_recorded_not_raised(tmp_path):
+    wq_b = next(s for s in B.SHAPES["flash"] if s.name == "wq_b")
+    res = B.run_quack(str(tmp_path / "missinB.sh"), [("flash.wq_b", wq_b)], [1], B.Budget(None))
+    assert res["rows"] == [] and "quack worker exit 3" in res["meta"]["error"], res
+    rows = {1: B.new_row("flash", wq_b, 1)}
+    B.fill_quack("flash.wq_b", wq_b, [1], rows, res)
+    assert "quack worker exit 3" in rows[1]["quack_error"]
+
+
+def test_quack_is_asked_for_by_name_with_its_environment(capsys, tmp_path):
+    assert "quack" not in B.parse_args([]).impls
+    assert B.parse_args(["--impls", "ours,quack"]).impls == ["ours", "quack"]
+    assert B.main(["--impls", "ours,quack"]) == 2
+    assert "--impls quack needs --quack-env FILE" in capsys.readouterr().err
+
+
+def test_quack_worker_without_quack_says_so(tmp_path):
+    from cutedsl.bench import quack_anchor
+
+    out = tmp_path / "out.json"
+    assert quack_anchor.run({"shapes": [], "ms": [1]}, str(out), 10.0) == 1
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["import_error"].startswith("ModuleNotFoundError"), meta
+    with pytest.raises(SystemExit) as e:
+        quack_anchor.main(["only-one-arg"])
+    assert e.value.code == 2

@@ -1,8 +1,8 @@
 """sm_90a NVFP4 W4A16 GEMMs (`cutedsl.sm90.gemm`) vs cuBLAS BF16, Marlin and DeepGEMM FP8 per shape.
 
 python -m cutedsl.bench.gemm_sm90 [--model flash|pro|all] [--ms 1,4,...] [--shapes a,b]
-    [--impls ours,cublas,...] [--sweep [neighbours|grid]] [--time-budget S] [--json PATH]
-    [--md PATH] [--list-shapes]
+    [--impls ours,cublas,...] [--quack-env FILE] [--sweep [neighbours|grid]] [--time-budget S]
+    [--json PATH] [--md PATH] [--list-shapes]
 
 Shapes (per model, from its config; see FLASH_CONFIG / PRO_CONFIG): fused_wqa_wkv, wq_b, wo_a
 (G equal groups, a[G, M, K]), wo_b, shared expert L1/L2 (dense), routed experts L1/L2 ("moe": the
@@ -40,6 +40,11 @@ Columns:
   without it too). `moe_align_block_size` (once per batch in vLLM, shared by L1 and L2) is outside
   the timed graph, as our offsets are. wo_a: n/a.
 - copy (M <= 32): `bench_copy`, the same-bytes copy above.
+- quack (asked for by name, with --quack-env FILE): quack-kernels' CuTeDSL `gemm_w4a16` (NVFP4)
+  on the dense shapes, in the Python environment FILE sets up (quack 0.6.x needs a newer
+  nvidia-cutlass-dsl than ours), run once before our measurements by `cutedsl.bench.quack_anchor`
+  (same timing, its result checked against torch math first); grouped and routed: n/a (quack has
+  no such kernel).
 - DeepGEMM: vLLM 0.21.0's bundled DeepGEMM (vllm.third_party.deep_gemm, through the wrappers in
   vllm.utils.deep_gemm, as vLLM calls them) on FP8 e4m3 block weights (128x128 blocks, fp32
   scales) and FP8 activations (1x128 groups, fp32 scales, MN-major TMA-aligned, pre-transformed):
@@ -69,10 +74,14 @@ import argparse
 import datetime
 import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -346,8 +355,8 @@ def new_row(model: str, shape: Shape, m: int) -> dict:
         "us tflops weight_GBps pct_copy_bw copy_us pct_copy_time cublas_us cublas_tflops cublas_weight_GBps cublas_impl "
         "marlin_us marlin_tflops marlin_weight_GBps deepgemm_us deepgemm_tflops deepgemm_quant_us "
         "deepgemm_total_us deepgemm_rows deepgemm_weight_GBps x_cublas x_marlin x_deepgemm "
-        "x_deepgemm_total ours_error cublas_error marlin_error deepgemm_error copy_error sweep_us "
-        "best_tactic best_us"
+        "x_deepgemm_total quack_us quack_rel_err quack_tactic x_quack ours_error cublas_error "
+        "marlin_error deepgemm_error copy_error quack_error sweep_us best_tactic best_us"
     ).split():
         r[key] = None
     return r
@@ -389,6 +398,7 @@ def finalize_row(r: dict, copy_bw: float | None) -> dict:
         ("x_marlin", "marlin_us"),
         ("x_deepgemm", "deepgemm_us"),
         ("x_deepgemm_total", "deepgemm_total_us"),
+        ("x_quack", "quack_us"),
     ):
         r[key] = round(r[col] / t, 2) if t and r[col] else None
     return r
@@ -412,6 +422,8 @@ def summarize(rows: list[dict]) -> dict:
         "x_marlin_min": min(col(rows, "x_marlin"), default=None),
         "x_deepgemm_geomean": _geo(col(rows, "x_deepgemm")),
         "x_deepgemm_total_geomean": _geo(col(rows, "x_deepgemm_total")),
+        "x_quack_geomean": _geo(col(rows, "x_quack")),
+        "x_quack_min": min(col(rows, "x_quack"), default=None),
     }
 
 
@@ -812,6 +824,68 @@ class DeepGemm:
     note: str
 
 
+QUACK_RUN = (
+    '. "$1" || exit 3; PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}" '
+    'exec python3 -m cutedsl.bench.quack_anchor "$3" "$4" "$5"'
+)
+
+
+def run_quack(
+    env_file: str, shapes: list[tuple[str, Shape]], ms: list[int], budget: Budget
+) -> dict:
+    """The quack column for the dense `shapes` ((row name, Shape)): `cutedsl.bench.quack_anchor`
+    run in the environment `env_file` sets up (bash-sourced), on this GPU, now. Returns its
+    {"meta", "rows"}; on any failure {"meta": {"error": ...}, "rows": []} (never raises)."""
+    if not shapes:
+        return {"meta": {"error": "no dense shape selected"}, "rows": []}
+    left = budget.left()
+    seconds = 900.0 if math.isinf(left) else max(30.0, left / 2)
+    repo = str(Path(__file__).resolve().parents[2])
+    with tempfile.TemporaryDirectory(prefix="quack-anchor-") as tmp:
+        spec, out = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+        with open(spec, "w") as f:
+            json.dump({"shapes": [{"name": nm, "n": s.n, "k": s.k} for nm, s in shapes],
+                       "ms": ms}, f)  # fmt: skip
+        cmd = ["bash", "-c", QUACK_RUN, "quack", env_file, repo, spec, out, str(seconds)]
+        t = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 300)
+            log, rc = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            log, rc = f"{e.stdout or ''}{e.stderr or ''}", f"timed out after {seconds + 300:.0f} s"
+        budget.longest = max(budget.longest, time.monotonic() - t)
+        try:
+            with open(out) as f:
+                res = json.load(f)
+        except (OSError, ValueError):
+            tail = " | ".join(str(log).strip().splitlines()[-3:])
+            return {
+                "meta": {"error": f"quack worker exit {rc}, no result: {tail}"[:600]},
+                "rows": [],
+            }
+    if rc != 0:
+        res["meta"]["error"] = res["meta"].get("import_error") or f"quack worker exit {rc}"
+    return res
+
+
+def fill_quack(
+    name: str, shape: Shape, ms: list[int], rows_by_m: dict[int, dict], quack: dict
+) -> None:
+    """The quack column of one shape's rows from `run_quack`'s result."""
+    if shape.kind != "dense":
+        _set(rows_by_m, ms, "quack_error", f"n/a: quack has no {shape.kind} W4A16 GEMM")
+        return
+    got = {r["M"]: r for r in quack.get("rows", []) if r.get("shape") == name}
+    for m in ms:
+        q = got.get(m)
+        row = rows_by_m[m]
+        if q is None:
+            row["quack_error"] = quack.get("meta", {}).get("error") or "not measured"
+            continue
+        row["quack_us"], row["quack_rel_err"] = q.get("us"), q.get("rel_err")
+        row["quack_tactic"], row["quack_error"] = q.get("tactic"), q.get("error")
+
+
 def load_deepgemm() -> DeepGemm:
     """Import vLLM's DeepGEMM wrappers; never raises (a failure comes back in `note`)."""
     try:
@@ -966,6 +1040,8 @@ MD_COLS = [  # (header, key, format); the copy columns only for M <= 32
     ("Marlin/ours", "x_marlin", ".2f"),
     ("DG/ours", "x_deepgemm", ".2f"),
     ("(DG+quant)/ours", "x_deepgemm_total", ".2f"),
+    ("quack us", "quack_us", ".1f"),
+    ("quack/ours", "x_quack", ".2f"),
     ("notes", "notes", "s"),
 ]
 
@@ -974,9 +1050,11 @@ def _cell(r: dict, key: str, fmt: str) -> str:
     if key == "notes":
         errs = [
             f"{w}: {r[f'{w}_error']}"
-            for w in ("ours", "cublas", "marlin", "deepgemm", "copy")
+            for w in ("ours", "cublas", "marlin", "deepgemm", "copy", "quack")
             if r.get(f"{w}_error")
-            and not str(r[f"{w}_error"]).startswith(("n/a: Marlin column", "n/a: no Marlin"))
+            and not str(r[f"{w}_error"]).startswith(
+                ("n/a: Marlin column", "n/a: no Marlin", "n/a: quack")
+            )
         ]
         return "; ".join(errs).replace("|", "/")
     v = r.get(key)
@@ -986,6 +1064,8 @@ def _cell(r: dict, key: str, fmt: str) -> str:
         if key == "deepgemm_us" and str(r.get("deepgemm_error") or "").startswith("n/a"):
             return "n/a"
         if key == "marlin_us" and str(r.get("marlin_error") or "").startswith("n/a"):
+            return "n/a"
+        if key == "quack_us" and str(r.get("quack_error") or "").startswith("n/a"):
             return "n/a"
         return "-"
     if fmt == "t":
@@ -1034,7 +1114,8 @@ def versions() -> dict:
 # ------------------------------------------------------------------------------ main
 
 
-IMPLS = ("ours", "cublas", "marlin", "deepgemm", "copy")
+IMPLS = ("ours", "cublas", "marlin", "deepgemm", "copy")  # the default
+ALL_IMPLS = (*IMPLS, "quack")  # quack only by name, with --quack-env
 EXAMPLES = [
     "python -m cutedsl.bench.gemm_sm90 --json r/gemm.json --md r/gemm.md   # every shape and M",
     "python -m cutedsl.bench.gemm_sm90 --model flash --ms 1,16,4096 --shapes wq_b,wo_b "
@@ -1044,6 +1125,8 @@ EXAMPLES = [
     "--ms 1,16,32,64,128,256,512,1024,4096 --shapes fused_wqa_wkv,wq_b --json sweep.json",
     "python -m cutedsl.bench.tune_sm90 sweep.json   # -> cutedsl/tuned/sm90/<device>.json",
     "python -m cutedsl.bench.gemm_sm90 --time-budget 600 --json r.json --md r.md",
+    "python -m cutedsl.bench.gemm_sm90 --model flash --ms 1,4,16,32 --impls ours,quack,copy "
+    "--quack-env /opt/quack/env.sh   # quack-kernels in its own environment",
 ]
 
 
@@ -1082,9 +1165,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--impls",
-        type=_comma_list(str, IMPLS),
+        type=_comma_list(str, ALL_IMPLS),
         default=list(IMPLS),
-        help=f"comma list of implementations to time (default {','.join(IMPLS)})",
+        help=f"comma list of implementations to time (default {','.join(IMPLS)}; also quack)",
+    )
+    p.add_argument(
+        "--quack-env",
+        default="",
+        metavar="FILE",
+        help="for --impls quack: a bash file that, sourced, gives python3 quack-kernels >= 0.6 "
+        "(with its own nvidia-cutlass-dsl); the quack column runs there",
     )
     p.add_argument(
         "--sweep",
@@ -1125,11 +1215,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"N={s.n:6d} K={s.k:6d}"
             )
         return 0
+    impls = set(args.impls)
+    if "quack" in impls and not os.path.isfile(args.quack_env):
+        print(
+            f"cutedsl.bench.gemm_sm90: --impls quack needs --quack-env FILE (a bash file setting up "
+            f"quack-kernels' environment); got {args.quack_env!r}",
+            file=sys.stderr,
+        )
+        return 2
     problem = gpu_problem()
     if problem:
         print(f"cutedsl.bench.gemm_sm90: {problem}", file=sys.stderr)
         return 1
-    impls = set(args.impls)
     budget = Budget(args.time_budget)
     marlin = load_marlin() if "marlin" in impls else (None, "not requested")
     dg = load_deepgemm() if "deepgemm" in impls else DeepGemm(None, None, False, "not requested")
@@ -1172,6 +1269,12 @@ def main(argv: list[str] | None = None) -> int:
         header=header,
         stopped_early="",
     )
+    quack: dict = {}
+    if "quack" in impls:
+        qshapes = [(f"{mdl}.{s.name}", s) for mdl, s in todo if s.kind == "dense"]
+        quack = run_quack(args.quack_env, qshapes, ms, budget)
+        meta["quack"] = quack.get("meta")
+        print(f"quack: {quack.get('meta')}", flush=True)
     rows: list[dict] = []
     for mdl, shape in todo:
         if not budget.fits(f"{mdl}.{shape.name}"):
@@ -1188,6 +1291,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_deepgemm(shape, ms, rows_by_m, budget, dg)
         if "copy" in impls:
             bench_copy(shape, ms, rows_by_m, budget)
+        if "quack" in impls:
+            fill_quack(f"{mdl}.{shape.name}", shape, ms, rows_by_m, quack)
         rows += [finalize_row(rows_by_m[m], copy_bw) for m in ms]
         meta["stopped_early"] = budget.stopped
         write_outputs(args.json, args.md, meta, rows)
