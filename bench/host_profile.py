@@ -37,7 +37,6 @@ import argparse
 import datetime
 import json
 import os
-import random
 import re
 import shlex
 import subprocess
@@ -49,7 +48,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_server import _Stream  # noqa: E402
+from profile_server import start_decode  # noqa: E402
 
 PROC = Path("/proc")
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -255,25 +254,8 @@ def py_spy(binary: str, pids: list[int], seconds: float, rate: int) -> dict[int,
 
 
 def run(a: argparse.Namespace) -> dict:
-    errors: list[str] = []
-    rng = random.Random(a.seed)
     stop = threading.Event()
-    streams = [
-        _Stream(a.base_url, a.model, [rng.randrange(a.vocab_lo, a.vocab) for _ in range(a.prompt_len)],
-                a.max_tokens, a.request_timeout, stop)
-        for _ in range(a.concurrency)
-    ]  # fmt: skip
-    t0 = time.monotonic()
-    for s in streams:
-        s.start()
-    while time.monotonic() < t0 + a.warm_timeout:
-        if all(len(s.times) >= a.warm_tokens or s.error or s.finished for s in streams):
-            break
-        time.sleep(0.05)
-    not_warm = sum(len(s.times) < a.warm_tokens for s in streams)
-    if not_warm:
-        errors.append(f"{not_warm} of {a.concurrency} streams had < {a.warm_tokens} tokens "
-                      f"after {time.monotonic() - t0:.0f} s")  # fmt: skip
+    streams, _, errors = start_decode(a, stop)
     w0 = time.monotonic()
     cpu = measure_cpu(a.pid, a.window_s)
     w1 = time.monotonic()

@@ -650,13 +650,14 @@ def wait_new_traces(trace_dir: str, before: set[str], timeout: float, settle: fl
     return sorted(last)
 
 
-def run_workload(a: argparse.Namespace) -> tuple[dict, list[str], list[str]]:
-    """-> (workload record, new trace files, errors)."""
+def start_decode(
+    a: argparse.Namespace, stop: threading.Event
+) -> tuple[list[_Stream], float, list[str]]:
+    """a.concurrency streams started together (prompts of a.prompt_len random token ids from
+    a.seed), until each has a.warm_tokens tokens (all prefills done) or a.warm_timeout passed:
+    -> (streams, seconds it took, errors)."""
     errors: list[str] = []
-    os.makedirs(a.trace_dir, exist_ok=True)
-    before = set(_trace_files(a.trace_dir))
     rng = random.Random(a.seed)
-    stop = threading.Event()
     streams = [
         _Stream(a.base_url, a.model, [rng.randrange(a.vocab_lo, a.vocab) for _ in range(a.prompt_len)],
                 a.max_tokens, a.request_timeout, stop)
@@ -675,6 +676,15 @@ def run_workload(a: argparse.Namespace) -> tuple[dict, list[str], list[str]]:
     if not_warm:
         errors.append(f"{not_warm} of {a.concurrency} streams had < {a.warm_tokens} tokens "
                       f"after {warm_s:.0f} s")  # fmt: skip
+    return streams, warm_s, errors
+
+
+def run_workload(a: argparse.Namespace) -> tuple[dict, list[str], list[str]]:
+    """-> (workload record, new trace files, errors)."""
+    os.makedirs(a.trace_dir, exist_ok=True)
+    before = set(_trace_files(a.trace_dir))
+    stop = threading.Event()
+    streams, warm_s, errors = start_decode(a, stop)
     t_start = time.monotonic()
     try:
         status, body = post(a.base_url, "/start_profile", a.control_timeout)
