@@ -854,6 +854,38 @@ def test_name_rules_hf_to_native_and_native_untouched(fmt: str) -> None:
         assert mapped(N.native_to_hf(n)) == n, (N.native_to_hf(n), mapped(N.native_to_hf(n)))
 
 
+@pytest.mark.parametrize("experts,redundant", [(8, 0), (256, 0), (16, 4)])
+def test_expert_mappings_index_finds_what_the_scan_finds(experts: int, redundant: int) -> None:
+    """The overlay's indexed lookup in DeepseekV4Model.load_weights returns exactly the entries
+    (and order) of upstream's scan `[e for e in mapping if e[1] in name]`, for expert tensors of
+    every leaf, redundant (EPLB) experts, a LoRA base_layer mapping and names of no expert."""
+    import torch
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+
+    from cutedsl.vllm.names import expert_mappings
+
+    def scan(mapping, name):
+        return [e for e in mapping if e[1] in name]
+
+    mapping = FusedMoE.make_expert_params_mapping(
+        torch.nn.Module(), "w1", "w2", "w3", num_experts=experts, num_redundant_experts=redundant
+    )
+    lora = [(p, w + "base_layer.", i, s) for p, w, i, s in mapping[:6]]
+    names = [
+        f"layers.{li}.ffn.experts.{e}.{w}.{leaf}"
+        for li in (0, 5)
+        for e in range(experts)
+        for w in ("w1", "w2", "w3")
+        for leaf in ("weight", "weight_scale", "weight_scale_2", "input_scale", "scale")
+    ]
+    names += ["layers.0.ffn.shared_experts.w1.weight", "layers.0.ffn.experts.999.w1.weight",
+              "mtp.0.ffn.experts.3.w2.weight", "layers.1.ffn.experts.1.w1.base_layer.weight"]  # fmt: skip
+    for mp in (mapping, lora, mapping):  # a new mapping list re-indexes
+        for name in names:
+            assert expert_mappings(mp, name) == scan(mp, name), name
+    assert len(expert_mappings(mapping, "layers.0.ffn.experts.1.w3.weight")) == 1 + (redundant > 0)
+
+
 def test_explicit_upstream_moe_backend_goes_to_upstream_oracle(report: dict) -> None:
     """--moe-backend marlin: the experts get upstream's ModelOptNvFp4FusedMoE, whose oracle then
     refuses Marlin on this CPU (on a GPU it would run Marlin, without the clamp)."""

@@ -68,7 +68,7 @@ from .utils import (
 )
 
 from cutedsl.vllm.checks import checked_construction, checked_load  # CuTeDSL NVFP4 hooks
-from cutedsl.vllm.names import HF_TO_NATIVE_REGEX
+from cutedsl.vllm.names import HF_TO_NATIVE_REGEX, expert_mappings
 from cutedsl.vllm.quant import dsv4_quant_config, nvfp4_moe_method_for_fp8_config
 from cutedsl.vllm.shared_mlp import shared_mlp_method
 
@@ -1499,7 +1499,7 @@ class DeepseekV4Model(nn.Module):
                         and loaded_weight.dtype == torch.float8_e8m0fnu
                     ):
                         loaded_weight = loaded_weight.view(torch.uint8)
-                    for mapping in expert_mapping:
+                    for mapping in expert_mappings(expert_mapping, name):  # CuTeDSL: indexed
                         param_name, weight_name, expert_id, shard_id = mapping
                         if weight_name not in name:
                             continue

@@ -39,7 +39,7 @@ from cutedsl.vllm import prefetch
 from cutedsl.vllm.ct import ct_tensor, is_ct
 from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod
 from cutedsl.vllm.moe_experts import CuTeDSLModelOptNvFp4FusedMoE
-from cutedsl.vllm.names import HF_TO_NATIVE_REGEX
+from cutedsl.vllm.names import hf_to_native
 from cutedsl.vllm.preflight import INDEX, check_checkpoint
 
 logger = init_logger(__name__)
@@ -48,13 +48,6 @@ logger = init_logger(__name__)
 UNLOADED_UPSTREAM = (".indexer.k_norm.",)
 _EXPERT_NAME = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(\w+)$")
 _NVFP4_LEAVES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
-
-
-def _native(name: str) -> str:
-    for pattern, repl in HF_TO_NATIVE_REGEX.items():
-        if pattern.search(name):
-            return pattern.sub(repl, name)
-    return name
 
 
 class _Tracked:
@@ -96,7 +89,7 @@ def _missing(model: torch.nn.Module, loaded: set[str], seen: set[str]) -> list[s
         if name in loaded or any(s in name for s in UNLOADED_UPSTREAM):
             continue
         missing.append(name)
-    native = {_native(n) for n in seen}
+    native = {hf_to_native(n) for n in seen}
     for layer, n_experts in sorted(expert_layers.items()):
         for e in range(n_experts):
             for w in ("w1", "w3", "w2"):
