@@ -446,6 +446,14 @@ def prefetch(jobs: Iterable[Job], workers: int | None = None) -> int:
     return len(todo)
 
 
+def wait_all() -> list[tuple[Path, int]]:
+    """Wait for every compile process `prefetch` started in this process: (log, exit status)
+    of each."""
+    workers = {id(w.proc): w for w in _PENDING.values()}
+    _PENDING.clear()
+    return [(w.log, w.proc.wait()) for w in workers.values()]
+
+
 def _wait_for_worker(key: Hashable, entry: Entry) -> None:
     """Until the worker owning `key` has stored its entry or exited."""
     w = _PENDING.pop(key, None)

@@ -7,6 +7,7 @@
 # generated once into $TINY_DIR (default checkpoints/tiny-nvfp4) and served.
 # Environment: PYTHON (default python3), PORT (8000), VLLM_EXTRA_ARGS (more flags, word-split),
 # TENSOR_PARALLEL_SIZE (1), PREWARM_MHC=0 (do not compile vLLM's mHC kernels first),
+# PREWARM_KERNELS=0 (do not start compiling our kernels beside vLLM's start-up),
 # SERVE_UPSTREAM=1 (serve pristine vLLM for comparisons: the overlay must not be applied; nothing
 # is changed), CUTEDSL_CACHE_DIR (our compiled kernels, default ~/.cache/cutedsl: a restart loads
 # them; they compile in background processes while the weights load, CUTEDSL_COMPILE_WORKERS of
@@ -53,6 +54,25 @@ fi
 if [ "${PREWARM_MHC:-1}" != 0 ]; then
     "$PYTHON" -m cutedsl.tools.prewarm_mhc "$MODEL" \
         || echo "serve.sh: warning: prewarm_mhc failed; the server compiles those kernels on first use" >&2
+fi
+
+# Our CuTeDSL kernels: compiled into their disk cache in the background (cutedsl/tools/
+# prewarm_kernels.py) while vLLM imports and spawns its engine, so that its weight loading finds
+# them there (a restart with them cached starts no compile at all). One GPU (tensor parallel shards
+# the shapes: the engine compiles those itself); the server's max_num_batched_tokens from the flags.
+if [ "${PREWARM_KERNELS:-1}" != 0 ] && [ "${SERVE_UPSTREAM:-0}" != 1 ] && [ "${TENSOR_PARALLEL_SIZE:-1}" = 1 ]; then
+    MNBT=8192  # vLLM 0.21.0's default for the DSv4 server
+    # shellcheck disable=SC2206
+    args=("${EXTRA[@]}" ${VLLM_EXTRA_ARGS:-} "$@")
+    for i in "${!args[@]}"; do
+        case ${args[$i]} in
+            --max-num-batched-tokens=*) MNBT=${args[$i]#*=} ;;
+            --max-num-batched-tokens) MNBT=${args[$((i + 1))]:-$MNBT} ;;
+        esac
+    done
+    LOG=$(mktemp -t dsv4-prewarm-kernels.XXXXXX)
+    echo "serve.sh: compiling our kernels for $MODEL in the background (log: $LOG)"
+    "$PYTHON" -m cutedsl.tools.prewarm_kernels "$MODEL" --max-num-batched-tokens "$MNBT" >"$LOG" 2>&1 &
 fi
 
 # The DeepSeek V4 flags of the vLLM recipes (scripts/dsv4_flags.sh).

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from cutedsl.tools import check_kernels, golden, prewarm_mhc, quantize, tiny_model
+from cutedsl.tools import check_kernels, golden, prewarm_kernels, prewarm_mhc, quantize, tiny_model
 from cutedsl.tools.checkpoint import MARKER
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +31,7 @@ TOOLS: dict[str, Callable[[list[str] | None], int]] = {
     "golden": golden.main,
     "check_kernels": check_kernels.main,
     "prewarm_mhc": prewarm_mhc.main,
+    "prewarm_kernels": prewarm_kernels.main,
 }
 
 
@@ -344,7 +345,15 @@ def test_check_kernels_and_prewarm_bad_arguments(capsys, tmp_path: Path) -> None
     _fails(capsys, "prewarm_mhc", [str(tmp_path), "--workers", "0"], r"--workers: must be >= 1")
     _fails(capsys, "prewarm_mhc", [str(tmp_path), "--timeout", "0"], r"--timeout: must be a pos")
     _fails(capsys, "prewarm_mhc", [str(tmp_path)], r"config.json not found")
+    _fails(capsys, "prewarm_kernels", [str(tmp_path / "nope")], r"MODEL_DIR .*nope is not a folder")
+    _fails(capsys, "prewarm_kernels", [str(tmp_path)], r"config.json not found")
+    _fails(capsys, "prewarm_kernels", [str(tmp_path), "--max-num-batched-tokens", "0"],
+           r"--max-num-batched-tokens 0: must be >= 1")  # fmt: skip
     assert os.listdir(tmp_path) == []
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "llama"}')
+    _fails(capsys, "prewarm_kernels", [str(other)], r"other/config.json: not a DeepSeek V4 config")
 
 
 def test_check_kernels_empty_selection(capsys) -> None:
@@ -424,3 +433,11 @@ def test_signal_removes_the_temporary_folder(tmp_path: Path, sig: signal.Signals
     ), err
     assert "Traceback" not in err
     assert _tree(tmp_path) == before  # no OUT, no temporary folder, the rest untouched
+
+
+def test_prewarm_kernels_without_a_gpu_has_nothing_to_do(src: Path, tmp_path: Path, capsys) -> None:
+    """No CUDA device (this machine): one line, exit 0, nothing compiled (serve.sh goes on)."""
+    out = tmp_path / "p.json"
+    assert prewarm_kernels.main([str(src), "--json", str(out)]) == 0
+    assert "nothing to do: no CUDA GPU visible" in capsys.readouterr().out
+    assert json.loads(out.read_text())["result"] == "nothing to do: no CUDA GPU visible"

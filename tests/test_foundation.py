@@ -121,6 +121,7 @@ def test_package_metadata_scripts_and_license() -> None:
         "dsv4-golden",
         "dsv4-check-kernels",
         "dsv4-prewarm-mhc",
+        "dsv4-prewarm-kernels",
         "dsv4-apply-patches",
     }
     import importlib

@@ -381,6 +381,16 @@ def test_prefetch_workers_fill_the_cache_and_compiled_loads(_private_cache: Path
     assert jit.compiled(swiglu._build, 7.0) is fn
 
 
+def test_wait_all_waits_for_every_compile_process(_private_cache: Path) -> None:
+    """`wait_all` returns once each worker has exited, with its log and exit status; the entry
+    is then on disk and nothing is pending."""
+    job = jit.Job(swiglu._build, (5.0,))
+    assert jit.prefetch([job], workers=1) == 1
+    (log, rc), *more = jit.wait_all()
+    assert rc == 0 and not more and log.exists(), log.read_text()[-2000:]
+    assert jit.prefetch([job]) == 0 and jit.wait_all() == []
+
+
 def test_a_failed_worker_falls_back_to_compiling_here(
     _private_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:

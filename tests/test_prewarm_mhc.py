@@ -205,3 +205,48 @@ def test_fast_path_spawns_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     # once an entry is gone, the full prewarm runs (here: reaches the forbidden worker start)
     (root / "k1" / "params.pkl").unlink()
     assert pw.main([str(model)]) != 0
+
+
+def test_serve_script_starts_the_kernel_prewarm_beside_vllm(tmp_path: Path) -> None:
+    """scripts/serve.sh with a stand-in interpreter (a GPU 'visible', the prewarms and vLLM only
+    logged, everything else the real Python): our kernel prewarm starts in the background with
+    the server's max_num_batched_tokens (its last value across the flags, as vLLM reads them),
+    and not for tensor parallel or with PREWARM_KERNELS=0."""
+    import stat
+    import subprocess
+    import sys
+    import time
+
+    log = tmp_path / "calls.log"
+    stub = tmp_path / "python"
+    stub.write_text(
+        "#!/bin/bash\n"
+        'case "$*" in\n'
+        f'  *torch.cuda.is_available*|*cutedsl.tools.prewarm*|*vllm.entrypoints*) echo "$*" >> {log}; exit 0 ;;\n'
+        "esac\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+
+    def serve(*args: str, **env: str) -> list[str]:
+        log.unlink(missing_ok=True)
+        r = subprocess.run(["bash", str(REPO / "scripts" / "serve.sh"), str(model), *args],
+                           env=dict(os.environ, PYTHON=str(stub), **env), capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        time.sleep(0.5)  # the background prewarm is logged after the exec'd server, or before
+        return [ln for ln in log.read_text().splitlines() if "prewarm_kernels" in ln]
+
+    flags = {"VLLM_EXTRA_ARGS": "--max-num-batched-tokens 4096 --seed 1"}
+    assert serve(**flags) == [
+        f"-m cutedsl.tools.prewarm_kernels {model} --max-num-batched-tokens 4096"
+    ]
+    assert serve("--max-num-batched-tokens=2048", **flags)[0].endswith(
+        "--max-num-batched-tokens 2048"
+    )
+    assert serve()[0].endswith("--max-num-batched-tokens 8192")
+    assert serve(TENSOR_PARALLEL_SIZE="2") == []
+    assert serve(PREWARM_KERNELS="0") == []

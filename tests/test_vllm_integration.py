@@ -383,6 +383,30 @@ def _broken_load(model, weights, variant: str) -> dict:
     return {"raised": None}
 
 
+def _prewarm_vs_prefetch(model, cfg: dict, max_tokens: int) -> dict:
+    """The kernels dsv4-prewarm-kernels lists from config.json vs those the engine's prefetch
+    lists from the built model (both on an H200's sm90 backend), as disk-cache keys."""
+    from unittest import mock
+
+    from cutedsl import jit
+    from cutedsl.sm90 import tactics
+    from cutedsl.tools import prewarm_kernels
+    from cutedsl.vllm import prefetch
+
+    h200 = tactics.GpuSpec("NVIDIA H200", 132)
+
+    def keys(jobs) -> list[str]:
+        return sorted({json.dumps(jit.disk_key(j.build, j.args, dict(j.kwargs))) for j in jobs})
+
+    with mock.patch.object(prefetch, "select_backend", lambda device: "sm90"), \
+            mock.patch.object(tactics, "gpu_spec", lambda device: h200):  # fmt: skip
+        engine = keys(prefetch.kernel_jobs(model))
+    tool = keys(prewarm_kernels.kernel_jobs(cfg, max_tokens, h200))
+    return {"engine": len(engine), "tool": len(tool), "equal": engine == tool,
+            "only_engine": [k for k in engine if k not in tool][:3],
+            "only_tool": [k for k in tool if k not in engine][:3]}  # fmt: skip
+
+
 def _ct_as_modelopt(ck: dict) -> dict:
     """compressed-tensors NVFP4 tensors under ModelOpt's names and conventions, written here
     from the format's definition (global scales are divisors), for the dequantized math."""
@@ -530,6 +554,9 @@ def _run_case(case: str, tmp: str) -> dict:
                     return {"raised": None}
                 model = DeepseekV4ForCausalLM(vllm_config=vc, prefix="")
         rep["methods"] = _method_names(model)
+        rep["prewarm"] = _prewarm_vs_prefetch(
+            model, cfg, vc.scheduler_config.max_num_batched_tokens
+        )
         _poison(model)
         files = sorted(glob.glob(f"{ckpt}/*.safetensors"))
         weights = safetensors_weights_iterator(files, False)
@@ -937,6 +964,15 @@ def test_compressed_tensors_fp8_attention_nvfp4_experts(report: dict) -> None:
     assert rep["unfilled"] == [], rep["unfilled"]
     assert rep["wo_a_is_nvfp4_oproj"] == [False] * LAYERS
     assert rep["fused_experts"] == ["CuTeDSLMoEExperts"] * LAYERS
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prewarm_tool_lists_the_kernels_the_engine_compiles(report: dict, case: str) -> None:
+    """dsv4-prewarm-kernels, from config.json alone, lists exactly the kernels (disk-cache keys)
+    the engine's own prefetch lists from the model vLLM builds; none for layouts without ours."""
+    p = _case(report, case)["prewarm"]
+    assert p["equal"], p
+    assert (p["engine"] > 0) == case.startswith(("nvfp4", "nvidia-mixed", "ct-nvfp4-fp8")), p
 
 
 def test_compressed_tensors_scheme_not_served_is_refused(report: dict) -> None:
