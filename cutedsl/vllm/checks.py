@@ -6,7 +6,8 @@ Hook in `DeepseekV4ForCausalLM.load_weights` (deepseek_v4.py), in place of
     loaded_params = checked_load(self, loader, weights, self.hf_to_vllm_mapper)
 A loader error keeps its type and message (upstream behaviour) and gets a note naming the
 checkpoint tensor, its shape and dtype. A compressed-tensors checkpoint's tensors are renamed on
-the way (`cutedsl.vllm.ct.ct_tensor`); the note names them as the checkpoint does. vLLM 0.21.0 does not track missing weights for quantized
+the way (`cutedsl.vllm.ct.ct_tensor`); the note names them as the checkpoint does. vLLM 0.21.0
+does not track missing weights for quantized
 models (default_loader.py: only when `quantization is None`), so a missing NVFP4 tensor would
 silently leave `torch.empty` memory; for models with our methods `checked_load` raises a
 ValueError naming every missing parameter (and, for routed experts, which it tracks per expert,
