@@ -70,7 +70,8 @@ if [ "${PREWARM_KERNELS:-1}" != 0 ] && [ "${SERVE_UPSTREAM:-0}" != 1 ] && [ "${T
             --max-num-batched-tokens) MNBT=${args[$((i + 1))]:-$MNBT} ;;
         esac
     done
-    LOG=$(mktemp -t dsv4-prewarm-kernels.XXXXXX)
+    LOG=${CUTEDSL_CACHE_DIR:-$HOME/.cache/cutedsl}/prewarm-kernels.log  # this start's
+    mkdir -p "$(dirname "$LOG")"
     echo "serve.sh: compiling our kernels for $MODEL in the background (log: $LOG)"
     "$PYTHON" -m cutedsl.tools.prewarm_kernels "$MODEL" --max-num-batched-tokens "$MNBT" >"$LOG" 2>&1 &
 fi

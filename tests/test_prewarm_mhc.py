@@ -234,7 +234,9 @@ def test_serve_script_starts_the_kernel_prewarm_beside_vllm(tmp_path: Path) -> N
     def serve(*args: str, **env: str) -> list[str]:
         log.unlink(missing_ok=True)
         r = subprocess.run(["bash", str(REPO / "scripts" / "serve.sh"), str(model), *args],
-                           env=dict(os.environ, PYTHON=str(stub), **env), capture_output=True,
+                           env=dict(os.environ, PYTHON=str(stub),
+                                    CUTEDSL_CACHE_DIR=str(tmp_path / "cache"), **env),
+                           capture_output=True,
                            text=True, timeout=300)  # fmt: skip
         assert r.returncode == 0, r.stderr[-2000:]
         time.sleep(0.5)  # the background prewarm is logged after the exec'd server, or before
@@ -250,3 +252,4 @@ def test_serve_script_starts_the_kernel_prewarm_beside_vllm(tmp_path: Path) -> N
     assert serve()[0].endswith("--max-num-batched-tokens 8192")
     assert serve(TENSOR_PARALLEL_SIZE="2") == []
     assert serve(PREWARM_KERNELS="0") == []
+    assert (tmp_path / "cache" / "prewarm-kernels.log").is_file()  # where serve.sh says it logs
