@@ -167,7 +167,7 @@ def _idle(steps: list[dict]) -> dict:
     either side and counted as in-graph when both came from the same CUDA-graph launch."""
     n = len(steps)
     pairs: dict[tuple[str, str, bool], list[float]] = {}  # each pair's gaps (us)
-    in_graph = outside = 0.0
+    in_graph = outside = short = overlap = 0.0
     for s in steps:
         ks = sorted(s["k"])
         if not ks:
@@ -175,6 +175,9 @@ def _idle(steps: list[dict]) -> dict:
         end, prev = ks[0][1], ks[0]
         for k in ks[1:]:
             gap = k[0] - end
+            overlap += max(0.0, min(end, k[1]) - k[0])  # run beside an earlier kernel
+            if 0 < gap < MIN_GAP_US:
+                short += gap
             if gap >= MIN_GAP_US:
                 same = prev[3] is not None and prev[3] == k[3]
                 pairs.setdefault((_short(prev[2]), _short(k[2]), same), []).append(gap)
@@ -189,6 +192,11 @@ def _idle(steps: list[dict]) -> dict:
         "min_gap_us": MIN_GAP_US,
         "in_graph_us_per_step": round(in_graph / n, 2) if n else None,
         "outside_graph_us_per_step": round(outside / n, 2) if n else None,
+        # gaps under MIN_GAP_US (one kernel launching after another), and kernel time that ran
+        # beside another kernel (other streams): many small kernels cost the first, concurrent
+        # streams save the second
+        "short_gaps_us_per_step": round(short / n, 2) if n else None,
+        "overlap_us_per_step": round(overlap / n, 2) if n else None,
         "top": [
             {
                 "after": a,
@@ -481,7 +489,9 @@ def _idle_markdown(res: dict) -> list[str]:
     lines = [
         "", f"Where the GPU waits (decode steps at batch {res['totals']['decode_batch']}; gaps of at "
         f"least {idle['min_gap_us']:g} us between kernels): {_fmt(idle['in_graph_us_per_step'])} us "
-        f"per step inside CUDA graphs, {_fmt(idle['outside_graph_us_per_step'])} us outside them.",
+        f"per step inside CUDA graphs, {_fmt(idle['outside_graph_us_per_step'])} us outside them; "
+        f"shorter gaps {_fmt(idle.get('short_gaps_us_per_step'))} us per step; kernel time run beside "
+        f"another kernel {_fmt(idle.get('overlap_us_per_step'))} us per step.",
         "", "| after kernel | before kernel | in graph | idle us/step | gaps/step | median gap us "
         "| max gap us |",
         "|---|---|---|---:|---:|---:|---:|",

@@ -192,6 +192,22 @@ def test_two_files_and_missing_graph_kernels(tmp_path: Path) -> None:
     assert empty["totals"]["gpu_events"] == 0 and len(empty["warnings"]) == 2
 
 
+def test_idle_counts_short_gaps_and_overlap() -> None:
+    """Per step: gaps under MIN_GAP_US summed apart from the idle table, and kernel time that ran
+    beside an earlier kernel (another stream) as overlap."""
+    steps = [
+        {"k": [(0.0, 10.0, "a", 1), (12.0, 20.0, "b", 1), (15.0, 25.0, "c", 2),
+               (24.0, 26.0, "d", 1), (40.0, 41.0, "e", 1)]},
+        {"k": [(0.0, 5.0, "a", 1), (6.5, 7.0, "b", 1)]},
+    ]  # fmt: skip
+    idle = ps._idle(steps)
+    # step 1: gap 2 (a->b), c overlaps b by 5, d overlaps c by 1, gap 14 (d..26 -> e at 40)
+    # step 2: gap 1.5
+    assert idle["short_gaps_us_per_step"] == (2 + 1.5) / 2
+    assert idle["overlap_us_per_step"] == (5 + 1) / 2
+    assert idle["in_graph_us_per_step"] == 14 / 2
+
+
 def test_union() -> None:
     rng = random.Random(1)
     iv = [(s, s + rng.randint(1, 30)) for s in (rng.randint(0, 200) for _ in range(50))]
