@@ -6,14 +6,16 @@ with D = NH·hd/G (group g = heads g·NH/G … (g+1)·NH/G − 1) → out[t, g] 
 rows g·R … (g+1)·R − 1 of the checkpoint's wo_a weight u8 [G·R, D//2] → bf16 [T, G, R]; the caller
 flattens it for wo_b. Backends and graph notes as in `cutedsl.linear`. On the GPU backends the
 inverse RoPE writes into the device's "main" `cutedsl.workspace` (reserved by `warmup`, sized for
-`head_dim`), so a call allocates only its result.
+`head_dim`), so a call allocates only its result: on CUDA with the sm90 / sm100 backend as one
+CuTeDSL kernel (`cutedsl.kernels.rope`, compiled by `warmup`), otherwise (sm100-emulated, or
+tensors off CUDA) as that kernel's torch statement `inverse_rope_into`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cutedsl import formats, ops, reference
+from cutedsl import formats, jit, ops, reference
 from cutedsl.runner import Runner
 from cutedsl.sm90 import runners as sm90_runners
 from cutedsl.sm100 import runners as sm100_runners
@@ -51,6 +53,48 @@ def inverse_rope_into(
     torch.mul(od, cos, out=y)
     y.addcmul_(e, sin, value=-1.0)  # x[2j+1]·cos − x[2j]·sin
     odd.copy_(y)
+    return out
+
+
+def _rope_build(head_dim: int, no_jit_engine: bool = False) -> object:
+    from cutedsl.kernels.rope import compile_inverse_rope
+
+    return compile_inverse_rope(head_dim, no_jit_engine=no_jit_engine)
+
+
+def rope_job(head_dim: int) -> jit.Job:
+    """The `jit.Job` of the inverse-RoPE kernel for one head_dim."""
+    return jit.Job(_rope_build, (head_dim,))
+
+
+def inverse_rope(
+    out: torch.Tensor, o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> torch.Tensor:
+    """`inverse_rope_into`'s result as one CuTeDSL kernel (`cutedsl.kernels.rope`): o bf16
+    [T, NH, hd] with unit stride along hd and token / head strides that are multiples of 8 (a
+    head slice of a padded buffer is fine), out bf16 [T, NH, hd] contiguous, both 16-byte
+    aligned; positions int64 [T] (int32 is widened first); cos_sin_cache fp32 [max_pos, 64]
+    contiguous; all on one CUDA device."""
+    t, nh, hd = o.shape
+    if o.dtype != torch.bfloat16 or o.stride(2) != 1 or o.stride(0) % 8 or o.stride(1) % 8:
+        raise ValueError(
+            f"inverse_rope: o {o.dtype} with strides {o.stride()}: expected bfloat16, unit stride "
+            "along head_dim, token and head strides multiples of 8"
+        )
+    for name, x in (("o", o), ("out", out)):
+        if x.data_ptr() % 16:
+            raise ValueError(f"inverse_rope: {name} must be 16-byte aligned")
+    if out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError("inverse_rope: out must be contiguous bfloat16")
+    if out.shape != o.shape or positions.shape != (t,) or nh > 65535:
+        raise ValueError(
+            f"inverse_rope: o {list(o.shape)}, out {list(out.shape)}, positions "
+            f"{list(positions.shape)}: expected equal shapes, [T] positions and NH <= 65535"
+        )
+    if not cos_sin_cache.is_contiguous() or cos_sin_cache.dtype != torch.float32:
+        raise ValueError("inverse_rope: cos_sin_cache must be contiguous float32")
+    if t:
+        jit.compiled(_rope_build, hd)(o, positions.long(), cos_sin_cache, out)
     return out
 
 
@@ -97,11 +141,18 @@ class Nvfp4GroupedOproj(Runner):
         self.head_dim = head_dim
         self._setup(dev, backend)
 
+    def _rope_kernel(self) -> bool:
+        """The inverse RoPE runs as the CuTeDSL kernel (else as its torch statement)."""
+        return self.backend in ("sm90", "sm100") and self.device.type == "cuda"
+
     def warmup(self, max_tokens: int) -> None:
         super().warmup(max_tokens)
         if self.backend != "reference":
             ws, nh = for_role(self.device, "main"), self.n_groups * self.d // self.head_dim
             ws.reserve("rope.x", (max_tokens, nh, self.head_dim), torch.bfloat16)
+            if self._rope_kernel():
+                jit.compiled(_rope_build, self.head_dim)
+                return
             ws.reserve("rope.cs", (max_tokens, reference.ROPE_DIM), torch.float32)
             for name in ("rope.e", "rope.o", "rope.y"):
                 ws.reserve(name, (max_tokens, nh, _HALF), torch.float32)
@@ -133,6 +184,11 @@ class Nvfp4GroupedOproj(Runner):
             return o.new_empty((0, self.n_groups, self.r), dtype=self.out_dtype)
         if self.backend == "reference":
             x = reference.inverse_rope_ref(o, positions, cos_sin_cache)
+        elif self._rope_kernel():
+            x = inverse_rope(
+                for_role(self.device, "main").get("rope.x", o.shape, o.dtype),
+                o, positions, cos_sin_cache.contiguous(),
+            )  # fmt: skip
         else:
             ws = for_role(self.device, "main")
             x = inverse_rope_into(

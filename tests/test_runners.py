@@ -254,3 +254,21 @@ def test_route_groups_assignments_by_expert(gen: torch.Generator) -> None:
     assert torch.equal(offs.diff(), torch.bincount(ids[local].long(), minlength=e).int())
     # the non-local rows: the tokens of the non-local assignments, each once
     assert sorted(tok[n:].tolist()) == sorted(torch.nonzero(~local)[:, 0].tolist())
+
+
+def test_inverse_rope_kernel_launcher_refuses_bad_operands() -> None:
+    """The launcher's checks run before any kernel (CPU tensors here): dtype and layout of out,
+    equal shapes, unit stride along head_dim (tests/test_rope_kernel_gpu.py runs the kernel)."""
+    from cutedsl.grouped_oproj import inverse_rope
+
+    cache = torch.zeros(16, 64)
+    o = torch.zeros(2, 4, 512, dtype=torch.bfloat16)
+    pos = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="out must be contiguous bfloat16"):
+        inverse_rope(torch.empty(2, 4, 512), o, pos, cache)
+    with pytest.raises(ValueError, match="expected equal shapes"):
+        inverse_rope(torch.empty_like(o), o, pos[:1], cache)
+    with pytest.raises(ValueError, match="unit stride along head_dim"):
+        inverse_rope(
+            torch.empty_like(o), o.transpose(1, 2).contiguous().transpose(1, 2), pos, cache
+        )

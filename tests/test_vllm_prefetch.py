@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from cutedsl import grouped_oproj  # noqa: E402
 from cutedsl.sm90 import runners, tactics  # noqa: E402
 from cutedsl.vllm import prefetch  # noqa: E402
 from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod  # noqa: E402
@@ -35,6 +36,7 @@ def _linear(n: int, k: int, max_tokens: int, groups: int | None = None) -> torch
 def _model(max_tokens: int) -> torch.nn.Module:
     h, i, e, g, r, d = 2048, 512, 16, 4, 256, 512
     model = torch.nn.Module()
+    model.config = types.SimpleNamespace(head_dim=128)  # the hf_config: wo_a's inverse RoPE
     model.wq_b = _linear(4096, 1024, max_tokens)
     model.wo_a = _linear(g * r, d, max_tokens, groups=g)
     mlp = torch.nn.Module()
@@ -70,6 +72,7 @@ def test_jobs_are_what_the_warmups_compile(max_tokens: int, monkeypatch) -> None
         + runners.linear_jobs(256, 512, 4, max_tokens, H200)
         + runners.shared_mlp_jobs(2048, 512, 10.0, max_tokens, H200)
         + runners.moe_jobs(16, 2048, 512, 10.0, max_tokens, H200)
+        + [grouped_oproj.rope_job(128)]
     )
     assert got == want
     assert ("cutedsl.sm90.swiglu", "_build", (10.0,)) in got

@@ -28,4 +28,5 @@ KERNEL_MODULES: tuple[str, ...] = (
     "cutedsl.sm90.kernels.swiglu",
     "cutedsl.sm100.kernels.gemm",
     "cutedsl.sm100.kernels.quant",
+    "cutedsl.kernels.rope",
 )

@@ -45,6 +45,13 @@ def max_tokens() -> int:
     return get_current_vllm_config().scheduler_config.max_num_batched_tokens
 
 
+def _head_dim() -> int:
+    """The attention head_dim of the model being loaded (sizes wo_a's inverse RoPE)."""
+    from vllm.config import get_current_vllm_config
+
+    return int(get_current_vllm_config().model_config.hf_config.head_dim)
+
+
 def release_checkpoint_tensors(runner, tensors: Iterable[torch.Tensor]) -> None:
     """Once `runner` runs a GPU backend (its impl holds its own prepared copies and the runner has
     let go of the checkpoint layout, `Runner.checkpoint_tensors`), make each of `tensors` (the
@@ -95,7 +102,7 @@ class CuTeDSLNvFp4LinearKernel(NvFp4LinearKernel):
         if getattr(layer, "is_bmm", False):
             from cutedsl.grouped_oproj import Nvfp4GroupedOproj
 
-            runner = Nvfp4GroupedOproj(*args, n_groups=layer.bmm_batch_size)
+            runner = Nvfp4GroupedOproj(*args, n_groups=layer.bmm_batch_size, head_dim=_head_dim())
         else:
             from cutedsl.linear import Nvfp4Linear
 
