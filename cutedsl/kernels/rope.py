@@ -94,7 +94,8 @@ def _fake(head_dim: int):
     s32 = cute.sym_int32
     t, nh, p = s32(symbol="T"), s32(symbol="NH"), s32(symbol="P")
     # o may be a head slice of a padded buffer: its token and head strides are free (16-byte rows)
-    st, sh = s32(divisibility=VEC, symbol="ST"), s32(divisibility=VEC, symbol="SH")
+    s64 = cute.sym_int64  # 64-bit offsets: T x token stride passes 2^31 at long prefills
+    st, sh = s64(divisibility=VEC, symbol="ST"), s64(divisibility=VEC, symbol="SH")
     o = make_fake_tensor(cutlass.BFloat16, (t, nh, head_dim), (st, sh, 1), assumed_align=16)
     out = make_fake_compact_tensor(cutlass.BFloat16, (t, nh, head_dim), stride_order=(2, 1, 0),
                                    assumed_align=16)  # fmt: skip
