@@ -46,7 +46,7 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
     step gpu_tests "$LIMIT" "${OURS[@]}" "$PYTHON" -m pytest -q -m "gpu or sm90" -p no:cacheprovider \
         --junitxml="$R/gpu_tests.xml" "$REPO/tests/test_runners_gpu.py" "$REPO/tests/test_gemm_sm90.py" \
         "$REPO/tests/test_sharding.py" "$REPO/tests/test_moe_routing.py" "$REPO/tests/test_swiglu_kernel.py" \
-        "$REPO/tests/test_sm100_emulated_gpu.py" &
+        "$REPO/tests/test_sm100_emulated_gpu.py" "$REPO/tests/test_rope_kernel_gpu.py" &
     pids+=($!)
 fi
 if [ "${FLASH_CKPTS:-1}" = 1 ]; then

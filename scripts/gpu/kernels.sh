@@ -10,7 +10,7 @@
 set -u
 . "$(dirname "$0")/env.sh"
 LIMIT=${LIMIT:-560}
-TESTS=${TESTS:-"tests/test_gemm_sm90.py tests/test_runners_gpu.py tests/test_sharding.py tests/test_moe_routing.py tests/test_swiglu_kernel.py"}
+TESTS=${TESTS:-"tests/test_gemm_sm90.py tests/test_runners_gpu.py tests/test_sharding.py tests/test_moe_routing.py tests/test_swiglu_kernel.py tests/test_rope_kernel_gpu.py"}
 device_info
 cd "$REPO"
 # shellcheck disable=SC2086
