@@ -12,8 +12,8 @@ once every stream has --warm-tokens tokens, so the server decodes at batch C thr
 1. Clean window (nothing attached to the server), --window-s seconds:
    - the tokens the clients received: decode tok/s and the step time C / (tok/s), the number the
      torch profiler inflates;
-   - the CPU time of every thread of the server's processes: the processes of its session (the
-     drivers start servers with setsid, so --pid is the session id), from
+   - the CPU time of every thread of the server's processes: its process group (the drivers
+     start servers with setsid, so --pid is the group id, as their `kill -- -PID` assumes), from
      /proc/PID/task/TID/stat, in % of one core;
    - the whole host's busy share (/proc/stat) and the busiest processes outside the server, so
      that a slow run that shares the host with something else says so.
@@ -28,7 +28,7 @@ tokens_in_window, tok_per_s, step_ms), host (cpus, busy_pct), threads (rows: pid
 thread, cpu_pct), processes (rows: pid, process, threads, cpu_pct), foreign (rows: pid, process,
 cpu_pct), py_spy (per process: command, samples, errors, threads with inclusive/self rows),
 errors. --md: the same as tables. Exit status: 0; 1 when the workload failed (a stream error, no
-token in the window) or no process of the session was found; 2 on bad arguments.
+token in the window) or no process of the group was found; 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -84,15 +84,15 @@ def _cmdline(pid: int, width: int = 100) -> str:
     return cmd if len(cmd) <= width else cmd[: width - 3] + "..."
 
 
-def session_pids(sid: int) -> list[int]:
-    """Every process whose session id is `sid` (a setsid'd server and all it started)."""
+def group_pids(pgid: int) -> list[int]:
+    """Every process of process group `pgid` (a setsid'd server and all it started)."""
     out = []
     for d in PROC.iterdir():
         if not d.name.isdigit():
             continue
         f = _stat_fields(d / "stat")
-        # after the name: state, ppid, pgrp, session (field 6 of stat)
-        if f is not None and len(f) > 3 and int(f[3]) == sid:
+        # after the name: state, ppid, pgrp (field 5 of stat)
+        if f is not None and len(f) > 2 and int(f[2]) == pgid:
             out.append(int(d.name))
     return sorted(out)
 
@@ -136,14 +136,14 @@ def host_jiffies() -> tuple[int, int]:
     return sum(vals) - idle, sum(vals)
 
 
-def measure_cpu(sid: int, window_s: float) -> dict:
-    """CPU use of the session `sid`'s threads, of the host and of the busiest foreign processes
+def measure_cpu(pgid: int, window_s: float) -> dict:
+    """CPU use of process group `pgid`'s threads, of the host and of the busiest foreign processes
     over `window_s` seconds."""
-    pids0 = session_pids(sid)
+    pids0 = group_pids(pgid)
     t0, p0, h0 = thread_ticks(pids0), process_ticks(), host_jiffies()
     w0 = time.monotonic()
     time.sleep(window_s)
-    pids1 = sorted(set(pids0) | set(session_pids(sid)))
+    pids1 = sorted(set(pids0) | set(group_pids(pgid)))
     t1, p1, h1 = thread_ticks(pids1), process_ticks(), host_jiffies()
     wall = time.monotonic() - w0
     pct = 100.0 / (TICKS * wall)
@@ -278,7 +278,7 @@ def run(a: argparse.Namespace) -> dict:
     if not tokens:
         errors.append("no token arrived in the clean window")
     if not cpu["processes"]:
-        errors.append(f"no process in session {a.pid} (is --pid the server's setsid pid?)")
+        errors.append(f"no process in group {a.pid} (is --pid the server's setsid pid?)")
     workload = {
         "concurrency": a.concurrency, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens,
         "seed": a.seed, "window_s": cpu.pop("window_s"), "tokens_in_window": tokens,
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--model", required=True, help="model id as served")
-    ap.add_argument("--pid", type=int, required=True, help="the server's pid (its session id)")
+    ap.add_argument("--pid", type=int, required=True, help="the server's pid (its process group id)")
     ap.add_argument("--label", default="server")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=1024)

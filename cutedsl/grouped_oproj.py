@@ -18,6 +18,7 @@ import torch
 from cutedsl import formats, jit, ops, reference
 from cutedsl.runner import Runner
 from cutedsl.sm90 import runners as sm90_runners
+from cutedsl.sm90.tactics import GpuSpec
 from cutedsl.sm100 import runners as sm100_runners
 from cutedsl.validate import check_tensor, scalar_f32
 from cutedsl.workspace import Workspace, for_role
@@ -65,6 +66,14 @@ def _rope_build(head_dim: int, no_jit_engine: bool = False) -> object:
 def rope_job(head_dim: int) -> jit.Job:
     """The `jit.Job` of the inverse-RoPE kernel for one head_dim."""
     return jit.Job(_rope_build, (head_dim,))
+
+
+def sm90_jobs(
+    n: int, k: int, groups: int, head_dim: int, max_tokens: int, spec: GpuSpec
+) -> list[jit.Job]:
+    """What `Nvfp4GroupedOproj.warmup` compiles on the sm90 backend (G groups of N rows x K,
+    up to max_tokens rows): its GEMM tactics and the inverse-RoPE kernel."""
+    return sm90_runners.linear_jobs(n, k, groups, max_tokens, spec) + [rope_job(head_dim)]
 
 
 def inverse_rope(

@@ -1,4 +1,4 @@
-"""bench/host_profile.py: the clean-window CPU accounting of a server's session (threads by name,
+"""bench/host_profile.py: the clean-window CPU accounting of a server's process group (threads by name,
 child processes, foreign load) on real processes, py-spy's raw output parsed per thread, the
 py-spy invocation through a stand-in binary, and the decode workload against a stub server."""
 
@@ -11,12 +11,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
+from stub_stream import serve, stream_tokens
 
 _spec = importlib.util.spec_from_file_location(
     "host_profile", Path(__file__).parents[1] / "bench" / "host_profile.py"
@@ -24,7 +23,7 @@ _spec = importlib.util.spec_from_file_location(
 hp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hp)
 
-# A stand-in server: a session leader with a spinning thread named "spinner" and an idle child.
+# A stand-in server: a process group leader with a spinning thread named "spinner" and an idle child.
 _BUSY = textwrap.dedent(
     """
     import ctypes, subprocess, sys, threading, time
@@ -42,7 +41,7 @@ _BUSY = textwrap.dedent(
 
 
 @pytest.fixture
-def busy_session():
+def busy_group():
     proc = subprocess.Popen([sys.executable, "-c", _BUSY], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     child = int(proc.stdout.readline())
@@ -53,9 +52,9 @@ def busy_session():
         proc.wait()
 
 
-def test_measure_cpu_finds_the_session_threads(busy_session) -> None:
-    pid, child = busy_session
-    assert hp.session_pids(pid) == sorted([pid, child])
+def test_measure_cpu_finds_the_group_threads(busy_group) -> None:
+    pid, child = busy_group
+    assert hp.group_pids(pid) == sorted([pid, child])
     res = hp.measure_cpu(pid, 1.5)
     spin = [r for r in res["threads"] if r["thread"] == "spinner"]
     assert len(spin) == 1 and spin[0]["pid"] == pid and spin[0]["cpu_pct"] > 20, res["threads"]
@@ -67,9 +66,9 @@ def test_measure_cpu_finds_the_session_threads(busy_session) -> None:
     assert 0 < res["host"]["busy_pct"] <= 100 and res["host"]["cpus"] == os.cpu_count()
 
 
-def test_foreign_load_is_named(busy_session) -> None:
-    """A busy process outside the measured session shows in `foreign`, not in the server's rows."""
-    pid, _ = busy_session
+def test_foreign_load_is_named(busy_group) -> None:
+    """A busy process outside the measured group shows in `foreign`, not in the server's rows."""
+    pid, _ = busy_group
     idle = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
     )
@@ -148,29 +147,13 @@ def _stub_server():
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            try:
-                for i in range(body["max_tokens"]):
-                    self.wfile.write(
-                        f"data: {json.dumps({'choices': [{'text': 'a', 'token_ids': [i]}]})}\n\n".encode()
-                    )
-                    self.wfile.flush()
-                    time.sleep(0.01)
-                self.wfile.write(b"data: [DONE]\n\n")
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-            self.close_connection = True
+            stream_tokens(self, body["max_tokens"], 0.01)
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+    return serve(H)
 
 
-def test_main_against_stub(tmp_path: Path, busy_session) -> None:
-    pid, _ = busy_session
+def test_main_against_stub(tmp_path: Path, busy_group) -> None:
+    pid, _ = busy_group
     srv, url = _stub_server()
     out, md = tmp_path / "h.json", tmp_path / "h.md"
     try:
@@ -185,7 +168,7 @@ def test_main_against_stub(tmp_path: Path, busy_session) -> None:
     w = res["workload"]
     assert w["concurrency"] == 3 and w["tokens_in_window"] > 3 * 40  # ~100 tokens/s per stream
     assert 10 < w["step_ms"] < 40
-    assert list(res["py_spy"]) == [str(pid)]  # the busiest process of the session
+    assert list(res["py_spy"]) == [str(pid)]  # the busiest process of the group
     text = md.read_text()
     assert "Host profile: stub" in text and "spinner" in text and f"busy{pid}" in text
 

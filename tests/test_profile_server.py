@@ -12,10 +12,11 @@ import os
 import random
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
+from stub_stream import serve, stream_tokens
 
 _spec = importlib.util.spec_from_file_location(
     "profile_server", Path(__file__).parents[1] / "bench" / "profile_server.py"
@@ -282,26 +283,12 @@ def _stub(tmp_path: Path, profile_ok: bool = True):
                 return self._empty(200)
             state["streams"] += 1
             state["bodies"].append(body)
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            try:
-                for i in range(body["max_tokens"]):
-                    msg = {"choices": [{"text": "a", "token_ids": [i]}]}
-                    self.wfile.write(f"data: {json.dumps(msg)}\n\n".encode())
-                    self.wfile.flush()
-                    time.sleep(0.005)
-                self.wfile.write(b"data: [DONE]\n\n")
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-            self.close_connection = True
+            stream_tokens(self, body["max_tokens"], 0.005)
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv, url = serve(H)
     os.makedirs(trace_dir, exist_ok=True)
     (trace_dir / "old.pt.trace.json").write_text("{}")  # from an earlier profile: not parsed
-    return srv, f"http://127.0.0.1:{srv.server_address[1]}", state, trace_dir
+    return srv, url, state, trace_dir
 
 
 def test_run_against_stub(tmp_path: Path) -> None:

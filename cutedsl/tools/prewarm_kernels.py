@@ -44,7 +44,7 @@ def _ours(spec, fmt: str) -> bool:
 
 def kernel_jobs(cfg: dict, max_tokens: int, gpu) -> list[jit.Job]:
     """The sm90 kernels of the main model of a checkpoint with config `cfg` (one GPU)."""
-    from cutedsl.grouped_oproj import rope_job
+    from cutedsl import grouped_oproj
     from cutedsl.sm90 import runners
 
     fmt = detect_format(cfg)
@@ -64,8 +64,8 @@ def kernel_jobs(cfg: dict, max_tokens: int, gpu) -> list[jit.Job]:
         wo_a = specs[a + "wo_a"]
         if _ours(wo_a, fmt):
             g = int(cfg["o_groups"])
-            jobs += runners.linear_jobs(wo_a.shape[0] // g, wo_a.shape[1], g, max_tokens, gpu)
-            jobs.append(rope_job(int(cfg["head_dim"])))
+            n, k, hd = wo_a.shape[0] // g, wo_a.shape[1], int(cfg["head_dim"])
+            jobs += grouped_oproj.sm90_jobs(n, k, g, hd, max_tokens, gpu)
         se = [specs[f + f"shared_experts.{w}"] for w in ("w1", "w3", "w2")]
         if all(_ours(s, fmt) for s in se):  # the fused shared expert
             h, i = se[2].shape

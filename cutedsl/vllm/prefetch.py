@@ -28,14 +28,13 @@ logger = init_logger(__name__)
 
 def kernel_jobs(model: torch.nn.Module) -> list[jit.Job]:
     """The sm90 kernels the runners of `model`'s NVFP4 layers will compile in their warm-up."""
-    from cutedsl.grouped_oproj import rope_job
+    from cutedsl import grouped_oproj
     from cutedsl.sm90 import runners
     from cutedsl.sm90.tactics import gpu_spec
     from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod
     from cutedsl.vllm.moe_experts import CuTeDSLModelOptNvFp4FusedMoE
     from cutedsl.vllm.shared_mlp import CuTeDSLSharedMlpMethod
 
-    head_dim = getattr(getattr(model, "config", None), "head_dim", None)
     jobs: list[jit.Job] = []
     for module in model.modules():
         method = getattr(module, "quant_method", None)
@@ -45,11 +44,15 @@ def kernel_jobs(model: torch.nn.Module) -> list[jit.Job]:
             w = module.weight
             if select_backend(w.device) != "sm90":
                 continue
-            groups = module.bmm_batch_size if getattr(module, "is_bmm", False) else 1
+            bmm = getattr(module, "is_bmm", False)
+            groups = module.bmm_batch_size if bmm else 1
             n, k = w.shape[0] // groups, w.shape[1] * 2
-            jobs += runners.linear_jobs(n, k, groups, method.kernel.max_tokens, gpu_spec(w.device))
-            if groups > 1 and head_dim is not None:  # wo_a: its inverse RoPE kernel too
-                jobs.append(rope_job(int(head_dim)))
+            mt, spec = method.kernel.max_tokens, gpu_spec(w.device)
+            if bmm:  # wo_a: grouped, with its inverse RoPE
+                hd = int(model.config.head_dim)
+                jobs += grouped_oproj.sm90_jobs(n, k, groups, hd, mt, spec)
+            else:
+                jobs += runners.linear_jobs(n, k, 1, mt, spec)
         elif isinstance(method, CuTeDSLSharedMlpMethod):
             w2 = module.down_proj.weight  # (H, I/2); gate_up and down are linears of their own
             if select_backend(w2.device) != "sm90":
