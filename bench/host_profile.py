@@ -344,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--model", required=True, help="model id as served")
-    ap.add_argument("--pid", type=int, required=True, help="the server's pid (its process group id)")
+    ap.add_argument(
+        "--pid", type=int, required=True, help="the server's pid (its process group id)"
+    )
     ap.add_argument("--label", default="server")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=1024)
