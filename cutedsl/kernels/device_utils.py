@@ -116,6 +116,18 @@ def ld_shared_cluster_f32xn(addr: Int32, n: int, *, loc=None, ip=None) -> tuple[
 
 
 @dsl_user_op
+def f32_rn(op: str, a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """`op`.rn.f32 of a and b (op: mul, add or sub), rounded to nearest on its own: the explicit
+    rounding keeps ptxas from contracting a product and a following add into one fma (PTX ISA,
+    `mul`: "mul/add sequences with no rounding modifiers may be optimized to use fused-multiply-add
+    instructions")."""
+    if op not in ("mul", "add", "sub"):
+        raise ValueError(f"f32_rn: op {op!r}: expected mul, add or sub")
+    ops = [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)]
+    return Float32(asm(T.f32(), ops, f"{op}.rn.f32 $0, $1, $2;", "=f,f,f", loc=loc, ip=ip))
+
+
+@dsl_user_op
 def cvt_bf16x2_f32(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
     """Two fp32 values rounded (RN) to one bf16x2 word, `lo` in the low half."""
     ops = [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)]

@@ -9,10 +9,13 @@ each head), P positions in the cache.
   out (T, NH, HD) bf16   out[t, h, :HD-R] = o[t, h, :HD-R]; for pair j of the RoPE part (dims
                          HD-R+2j, HD-R+2j+1) with x0, x1 = float(o[t, h, pair]) and c, s the cos
                          and sin of pos[t]:
-                           out = bf16(fma(x1, s, x0·c)), bf16(fma(−x0, s, x1·c))
+                           out = bf16(fma(x1, s, x0·c)), bf16(x1·c − x0·s)
+                         with x0·c, x1·c and x0·s each rounded to fp32 first (x1·s is fused).
 The fp32 operations are those of the torch statement it replaces
-(`cutedsl.grouped_oproj.inverse_rope_into`: a rounded product, then addcmul, which CUDA computes as
-one fused multiply-add), each rounded to nearest; the pass-through dims are copied bit for bit.
+(`cutedsl.grouped_oproj.inverse_rope_into`: a rounded product, then addcmul. PyTorch's CUDA
+addcmul (`pointwise_op_impl`) is fma(t1, t2, input) for value 1 and fma(value, t1·t2, input), the
+product rounded, otherwise), each rounded to nearest; the pass-through dims are copied bit for bit.
+The products and the subtraction are explicit mul.rn / sub.rn, which ptxas never contracts.
 
 One CTA of HD/8 threads per (token, head) (grid.x = T, grid.y = NH); each thread moves one
 16-byte vector of 8 bf16: a copy for the pass-through dims, and for the RoPE dims 4 pairs with
@@ -34,6 +37,7 @@ from cutlass._mlir.dialects import math as mlir_math
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from cutedsl.kernels.checks import KernelTarget
+from cutedsl.kernels.device_utils import f32_rn
 
 ROPE_DIM = 64  # cutedsl.reference.ROPE_DIM (kernels import nothing of the runtime package)
 VEC = 8  # bf16 per thread (16 bytes)
@@ -83,8 +87,8 @@ class InverseRopeKernel:
             acc = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
             for k in cutlass.range_constexpr(PAIRS):
                 x0, x1, c, s = x[2 * k], x[2 * k + 1], rc[k], rs[k]
-                acc[2 * k] = _fma(x1, s, x0 * c)
-                acc[2 * k + 1] = _fma(-x0, s, x1 * c)
+                acc[2 * k] = _fma(x1, s, f32_rn("mul", x0, c))
+                acc[2 * k + 1] = f32_rn("sub", f32_rn("mul", x1, c), f32_rn("mul", x0, s))
             ro = cute.make_rmem_tensor(cute.make_layout((VEC,)), cutlass.BFloat16)
             ro.store(acc.load().to(cutlass.BFloat16))
             cute.autovec_copy(ro, dst)
@@ -116,7 +120,7 @@ def check_targets() -> list[KernelTarget]:
     """Both archs at DSv4's head_dim 512: 16-byte loads and stores of the bf16 rows and of the
     cos / sin, the fused multiply-adds of the rotation."""
     ptx = (r"ld\.global(\.\w+)*\.v4\.(b32|u32|f32)", r"st\.global(\.\w+)*\.v4\.(b32|u32)",
-           r"fma\.rn\.f32", r"mul\.rn\.f32|mul\.f32")  # fmt: skip
+           r"fma\.rn\.f32", r"mul\.rn\.f32", r"sub\.rn\.f32")  # fmt: skip
     return [
         KernelTarget(
             name=f"rope.inverse.{arch}",
