@@ -11,7 +11,8 @@
 # SERVE_UPSTREAM=1 (serve pristine vLLM for comparisons: the overlay must not be applied; nothing
 # is changed), CUTEDSL_CACHE_DIR (our compiled kernels, default ~/.cache/cutedsl: a restart loads
 # them; they compile in background processes while the weights load, CUTEDSL_COMPILE_WORKERS of
-# them), TILELANG_CACHE_DIR (vLLM's mHC kernels, default ~/.tilelang/cache).
+# them), TILELANG_CACHE_DIR (vLLM's mHC kernels, default ~/.tilelang/cache), OMP_NUM_THREADS
+# (the server's torch CPU threads, default 1).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 . "$HERE/scripts/dsv4_flags.sh"
@@ -75,6 +76,13 @@ if [ "${PREWARM_KERNELS:-1}" != 0 ] && [ "${SERVE_UPSTREAM:-0}" != 1 ] && [ "${T
     echo "serve.sh: compiling our kernels for $MODEL in the background (log: $LOG)"
     "$PYTHON" -m cutedsl.tools.prewarm_kernels "$MODEL" --max-num-batched-tokens "$MNBT" >"$LOG" 2>&1 &
 fi
+
+# One torch CPU thread in the server unless OMP_NUM_THREADS says otherwise (both for ours and for
+# SERVE_UPSTREAM=1). vLLM 0.21.0 sets this itself only for its multiprocess executor
+# (vllm/v1/executor/multiproc_executor.py); on one GPU the engine's per-step metadata build runs
+# small CPU ops (torch.repeat_interleave in CompressorMetadataBuilder.build) that fork and join
+# torch's OpenMP pool, one thread per core, on the decode step's critical path.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 # The DeepSeek V4 flags of the vLLM recipes (scripts/dsv4_flags.sh).
 # shellcheck disable=SC2086

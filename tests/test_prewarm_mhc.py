@@ -207,11 +207,10 @@ def test_fast_path_spawns_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert pw.main([str(model)]) != 0
 
 
-def test_serve_script_starts_the_kernel_prewarm_beside_vllm(tmp_path: Path) -> None:
+def _serve_stub(tmp_path: Path):
     """scripts/serve.sh with a stand-in interpreter (a GPU 'visible', the prewarms and vLLM only
-    logged, everything else the real Python): our kernel prewarm starts in the background with
-    the server's max_num_batched_tokens (its last value across the flags, as vLLM reads them),
-    and not for tensor parallel or with PREWARM_KERNELS=0."""
+    logged with the OMP_NUM_THREADS they see, everything else the real Python). Returns
+    serve(*args, **env) -> the logged calls."""
     import stat
     import subprocess
     import sys
@@ -222,7 +221,7 @@ def test_serve_script_starts_the_kernel_prewarm_beside_vllm(tmp_path: Path) -> N
     stub.write_text(
         "#!/bin/bash\n"
         'case "$*" in\n'
-        f'  *torch.cuda.is_available*|*cutedsl.tools.prewarm*|*vllm.entrypoints*) echo "$*" >> {log}; exit 0 ;;\n'
+        f'  *torch.cuda.is_available*|*cutedsl.tools.prewarm*|*vllm.entrypoints*) echo "$* OMP=${{OMP_NUM_THREADS-unset}}" >> {log}; exit 0 ;;\n'
         "esac\n"
         f'exec {sys.executable} "$@"\n'
     )
@@ -233,14 +232,27 @@ def test_serve_script_starts_the_kernel_prewarm_beside_vllm(tmp_path: Path) -> N
 
     def serve(*args: str, **env: str) -> list[str]:
         log.unlink(missing_ok=True)
+        base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
         r = subprocess.run(["bash", str(REPO / "scripts" / "serve.sh"), str(model), *args],
-                           env=dict(os.environ, PYTHON=str(stub),
+                           env=dict(base, PYTHON=str(stub),
                                     CUTEDSL_CACHE_DIR=str(tmp_path / "cache"), **env),
                            capture_output=True,
                            text=True, timeout=300)  # fmt: skip
         assert r.returncode == 0, r.stderr[-2000:]
         time.sleep(0.5)  # the background prewarm is logged after the exec'd server, or before
-        return [ln for ln in log.read_text().splitlines() if "prewarm_kernels" in ln]
+        return log.read_text().splitlines()
+
+    return model, serve
+
+
+def test_serve_script_starts_the_kernel_prewarm_beside_vllm(tmp_path: Path) -> None:
+    """Our kernel prewarm starts in the background with the server's max_num_batched_tokens (its
+    last value across the flags, as vLLM reads them), and not for tensor parallel or with
+    PREWARM_KERNELS=0."""
+    model, run = _serve_stub(tmp_path)
+
+    def serve(*args: str, **env: str) -> list[str]:
+        return [ln.rsplit(" OMP=", 1)[0] for ln in run(*args, **env) if "prewarm_kernels" in ln]
 
     flags = {"VLLM_EXTRA_ARGS": "--max-num-batched-tokens 4096 --seed 1"}
     assert serve(**flags) == [
@@ -253,3 +265,20 @@ def test_serve_script_starts_the_kernel_prewarm_beside_vllm(tmp_path: Path) -> N
     assert serve(TENSOR_PARALLEL_SIZE="2") == []
     assert serve(PREWARM_KERNELS="0") == []
     assert (tmp_path / "cache" / "prewarm-kernels.log").is_file()  # where serve.sh says it logs
+
+
+def test_serve_script_gives_the_server_one_cpu_thread_unless_told(tmp_path: Path) -> None:
+    """vLLM serves with OMP_NUM_THREADS=1 by default (set unconditionally, before the one exec that
+    SERVE_UPSTREAM=1 also takes); an explicit value is kept; the kernel prewarm (its own compile
+    processes) is not limited."""
+    _, serve = _serve_stub(tmp_path)
+
+    def omp(**env: str) -> tuple[str, ...]:
+        calls = serve(**env)
+        vllm = [ln for ln in calls if "vllm.entrypoints" in ln]
+        pre = [ln for ln in calls if "prewarm_kernels" in ln]
+        assert len(vllm) == 1, calls
+        return (vllm[0].rsplit("OMP=", 1)[1],) + tuple(p.rsplit("OMP=", 1)[1] for p in pre)
+
+    assert omp() == ("1", "unset")
+    assert omp(OMP_NUM_THREADS="8") == ("8", "8")
