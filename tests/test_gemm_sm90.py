@@ -301,6 +301,19 @@ def test_encoding_decodes_exactly_to_the_nvfp4_weight() -> None:
     assert torch.equal(W.dequantize_prepared(wp), want * gs[:, None, None])
 
 
+def test_encoding_does_not_depend_on_the_row_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The encoder works in chunks of rows: chunks of 80 rows (a last partial chunk, groups
+    straddling chunks) give the same bytes and scale words as one chunk."""
+    gen = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
+    groups, n, k = 3, 192, 256
+    packed = torch.randint(0, 256, (groups, n, k // 2), generator=gen, dtype=torch.uint8)
+    sf = _special_scales((groups, n, k // 16), gen)
+    whole = W.prepare_weight(packed, sf, 1.0)
+    monkeypatch.setattr(W, "_ROWS_PER_CHUNK", 80)
+    parts = W.prepare_weight(packed, sf, 1.0)
+    assert torch.equal(parts.w, whole.w) and torch.equal(parts.sf, whole.sf)
+
+
 def test_two_scale_images_per_word_match_one_per_word() -> None:
     """The kernel's `e5m3x4_to_bf16x2x2` (prmt selectors 0x4140 / 0x4342 with the 0x07 bytes, then
     << 4, as its PTX text says) gives, in each half, the single-scale image the host model

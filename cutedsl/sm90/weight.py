@@ -97,13 +97,14 @@ def prepare_weight(
 # e4m3 magnitude byte (0..0x7E) -> e5m3 code: normal e4m3 (exponent field e >= 1) is x + 24;
 # subnormal m * 2^-9 (m = 1..7) renormalized; 0x7F (NaN) is refused before the lookup.
 _E5M3 = [0, 8, 16, 20, 24, 26, 28, 30] + [x + 24 for x in range(8, 128)]
-_ROWS_PER_CHUNK = 4096  # bounds the int64 temporaries of the encoding (rows x K x 8 B)
+_ROWS_PER_CHUNK = 8192  # bounds the int64 temporaries of the encoding (rows x K/2 x 8 B)
 
 
 def encode_weight(packed: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """packed uint8 [L, N, K/2] + e4m3 codes uint8 [L, N, K/16] -> (w uint8 [L, N, K/2], sf int32
     [L, K/64, N]) in the sm90 encoding (module docstring). Runs on the tensors' device, in chunks
-    of rows."""
+    of rows: each packed byte holds elements e = 0, 1 of one pair p of one word, so a word is the
+    OR of one 256-entry lookup per pair (`_byte_bits`) of its four bytes."""
     L, N, KH = packed.shape
     K, T = 2 * KH, 2 * KH // _BK
     if bool(((sf & 0x7F) == 0x7F).any()):
@@ -112,30 +113,46 @@ def encode_weight(packed: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor,
     rows_p, rows_s = packed.reshape(L * N, KH), sf.reshape(L * N, K // 16)
     w_out = torch.empty_like(rows_p)
     s_rows = torch.empty((L * N, T), dtype=torch.int32, device=packed.device)
-    e5m3 = torch.tensor(_E5M3, dtype=torch.int64, device=packed.device)
     dev = packed.device
-    src = _code_bit_positions().to(dev)  # [pair p, element e, code bit b] -> bit in the word
+    e5m3 = torch.tensor(_E5M3, dtype=torch.uint8, device=dev)
+    lut = _byte_bits().to(dev)  # [pair p * 256 + byte] -> its bits in the word
+    # packed byte kb of a 64-wide K tile: kb = 16q + 8jj + 4h + c, pair p = 2jj + h
+    pair = torch.arange(_BK // 2, device=dev).div(4, rounding_mode="floor") % 4
+    base = (pair * 256).reshape(1, 1, _BK // 2)
+    shift = 8 * torch.arange(4, device=dev, dtype=torch.int32)
     for r0 in range(0, L * N, _ROWS_PER_CHUNK):
         r1 = min(L * N, r0 + _ROWS_PER_CHUNK)
-        b = rows_p[r0:r1].to(torch.int64)
-        codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(r1 - r0, K)  # element k
-        s = rows_s[r0:r1].to(torch.int64)
-        neg = (s & 0x80) != 0  # fold a negative scale into its 16 weights' signs
-        codes = codes ^ (neg.repeat_interleave(16, dim=1).to(torch.int64) << 3)
-        code_s = e5m3[s & 0x7F]  # [R, K/16]
-        codes = codes * (code_s != 0).repeat_interleave(16, dim=1)  # zero scale: zero codes
-        # k = 64t + 16j + 8h + 2c + e with j = 2q + jj  ->  [R, t, c, q, (jj, h), e]
-        c6 = codes.reshape(r1 - r0, T, 2, 2, 2, 4, 2).permute(0, 1, 5, 2, 3, 4, 6)
-        c6 = c6.reshape(r1 - r0, T, 4, 2, 4, 2)  # [.., pair p = 2jj + h, element e]
-        # disjoint bits: sum = or
-        word = sum((((c6 >> b) & 1) << src[:, :, b]).sum((-2, -1)) for b in range(4))
-        by = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1)  # little endian
-        w_out[r0:r1] = by.reshape(r1 - r0, KH).to(torch.uint8)
-        sj = code_s.reshape(r1 - r0, T, 4) << (8 * torch.arange(4, device=dev))
-        sw = sj.sum(-1)
-        s_rows[r0:r1] = torch.where(sw >= 2**31, sw - 2**32, sw).to(torch.int32)
+        s = rows_s[r0:r1]
+        code_s = e5m3[(s & 0x7F).long()]  # [R, K/16]
+        # a block's 8 bytes: zero scale -> zero codes; negative scale -> flipped code signs
+        keep = torch.where(code_s != 0, 0xFF, 0).to(torch.uint8)
+        flip = torch.where(s >= 0x80, 0x88, 0).to(torch.uint8)
+        b = (rows_p[r0:r1] ^ flip.repeat_interleave(8, dim=1)) & keep.repeat_interleave(8, dim=1)
+        idx = b.reshape(r1 - r0, T, _BK // 2).long() + base
+        # [R, t, q, jj, h, c] -> OR over the 4 pairs (jj, h) of word (c, q); disjoint bits
+        v = lut[idx].reshape(r1 - r0, T, 2, 4, 4).sum(3)  # [R, t, q, c]
+        word = v.transpose(2, 3).contiguous()  # [R, t, c, q], values < 2^32
+        w_out[r0:r1] = (
+            word.view(torch.uint8).reshape(r1 - r0, T, 8, 8)[..., :4].reshape(r1 - r0, KH)
+        )
+        sw = (code_s.reshape(r1 - r0, T, 4).to(torch.int32) << shift).sum(-1, dtype=torch.int32)
+        s_rows[r0:r1] = sw
     w = w_out.reshape(L, N, KH)
     return w, s_rows.reshape(L, N, T).transpose(1, 2).contiguous()
+
+
+def _byte_bits() -> torch.Tensor:
+    """int64 [4 * 256]: entry 256 p + byte = the bits in its word of a packed byte (low nibble
+    element 0, high nibble element 1) of pair p (`_code_bit_positions`)."""
+    pos = _code_bit_positions()
+    byte = torch.arange(256, dtype=torch.int64)
+    out = torch.zeros(4, 256, dtype=torch.int64)
+    for p in range(4):
+        for e in range(2):
+            code = (byte >> (4 * e)) & 0xF
+            for b in range(4):
+                out[p] |= ((code >> b) & 1) << pos[p, e, b]
+    return out.reshape(-1)
 
 
 def _code_bit_positions() -> torch.Tensor:
