@@ -178,11 +178,21 @@ def test_route_kernel_contract(case: str, m: int, k: int, e: int) -> None:
 
 @gpu
 @pytest.mark.parametrize(
-    ("m", "k", "h"), [(1, 6, 512), (37, 6, 2048), (300, 8, 4096), (64, 6, 7168)]
+    ("m", "k", "h"),
+    [
+        (1, 6, 512),
+        (37, 6, 2048),
+        (300, 8, 4096),
+        (64, 6, 7168),
+        (2, 1, 8),
+        (5, 3, 1032),
+        (3, 9, 520),
+    ],
 )
 def test_combine_kernel_is_bitwise_the_cpu_statement(m: int, k: int, h: int) -> None:
     """Routed ids with drops, y with NaN in every row not named by inv: the kernel's output equals
-    the CPU torch statement bit for bit, and two launches agree."""
+    the CPU torch statement bit for bit, and two launches agree. topk below, at and past the
+    kernel's slot group (4), H whose column vectors do not fill the last CTA."""
     g = fresh_gen()
     e = 32
     ids = _ids("random", m, k, e, g)

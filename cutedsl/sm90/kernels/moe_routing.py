@@ -21,8 +21,10 @@ The order of rows inside an expert is not stable (warps race for the cursor): GE
 independent, and the combine sums each token's contributions in slot order, so the MoE output is
 still the same bit for bit on every run.
 
-Combine (`MoeCombineKernel`, one CTA of COMBINE_THREADS threads per token, VEC = 8 bf16 columns
-(16 B) per thread and step):
+Combine (`MoeCombineKernel`, one CTA of COMBINE_THREADS threads per token and per
+COMBINE_THREADS x VEC columns, VEC = 8 bf16 columns (16 B) per thread; the slots SLOTS at a time,
+their index, weight and row loads issued before their sum, so a thread waits for about two
+memory latencies per SLOTS slots, not two per slot):
   y    (R, H)       bf16   the expert outputs in sorted-row order (R >= every inv value); rows of
                            non-local assignments are never read (they may hold garbage)
   w    (M, topk)    fp32   topk_weights
@@ -35,7 +37,8 @@ has no atomics: deterministic.
 
 Compile-time: nothing (THREADS, VEC, the arch). Runtime: T, M, topk, E, H, R (tensor extents),
 pointers, stream (the TVM-FFI environment stream). One compile serves every routing and size.
-Graph safety: no host sync; the route grid is one CTA, the combine grid is M CTAs.
+Graph safety: no host sync; the route grid is one CTA, the combine grid is M x ceil(H / (VEC x
+COMBINE_THREADS)) CTAs.
 Constraints: 1 <= E <= MAX_E; H % 8 == 0; y and out 16-byte aligned with contiguous rows;
 every tensor compact (row-major); T < 2**31.
 """
@@ -56,6 +59,7 @@ WARPS = THREADS // 32
 MAX_E = THREADS  # one expert count per thread in the scan
 COMBINE_THREADS = 128
 VEC = 8  # bf16 per 16-byte access
+SLOTS = 4  # combine: slots whose loads are issued together
 
 
 # ------------------------------------------------------------------------------ device helpers
@@ -233,29 +237,43 @@ class MoeCombineKernel:
         stream,
     ):
         m = out.shape[0]
+        chunks = (out.shape[1] // VEC + COMBINE_THREADS - 1) // COMBINE_THREADS
         self.kernel(y, w, inv, out).launch(
-            grid=[m, 1, 1], block=[COMBINE_THREADS, 1, 1], stream=stream
+            grid=[m, chunks, 1], block=[COMBINE_THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, y: cute.Tensor, w: cute.Tensor, inv: cute.Tensor, out: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
+        row, chunk, _ = cute.arch.block_idx()
         topk = inv.shape[0]
-        nv = out.shape[1] // VEC
-        acc = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
-        ry = cute.make_rmem_tensor(cute.make_layout((VEC,)), cutlass.BFloat16)
-        ro = cute.make_rmem_tensor(cute.make_layout((VEC,)), cutlass.BFloat16)
-        for c in range(tidx, nv, COMBINE_THREADS):
+        c = chunk * COMBINE_THREADS + tidx  # this thread's 16-byte column vector
+        if c < out.shape[1] // VEC:
+            acc = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
             acc.fill(0.0)
-            for s in range(topk):
-                r = inv[(s, row)]
-                if r >= 0:
-                    wt = w[(row, s)]
-                    cute.autovec_copy(cute.local_tile(y[(r, None)], (VEC,), (c,)), ry)
-                    yv = ry.load().to(Float32)
-                    for i in cutlass.range_constexpr(VEC):
-                        acc[i] = _mul_add_rn(acc[i], wt, yv[i])
+            ry = [
+                cute.make_rmem_tensor(cute.make_layout((VEC,)), cutlass.BFloat16)
+                for _ in range(SLOTS)
+            ]
+            for s0 in range(0, topk, SLOTS):
+                # SLOTS slots at a time: their inv / w loads, then their row loads, all issued
+                # before the sum (an invalid slot loads row 0 and is left out of the sum)
+                rs, wts, ok = [], [], []
+                for i in cutlass.range_constexpr(SLOTS):
+                    s = cutlass.min(s0 + i, topk - 1)
+                    r = inv[(s, row)]
+                    rs.append(r)
+                    wts.append(w[(row, s)])
+                    ok.append((s0 + i < topk) & (r >= 0))
+                for i in cutlass.range_constexpr(SLOTS):
+                    r = cutlass.max(rs[i], 0)
+                    cute.autovec_copy(cute.local_tile(y[(r, None)], (VEC,), (c,)), ry[i])
+                for i in cutlass.range_constexpr(SLOTS):
+                    if ok[i]:
+                        yv = ry[i].load().to(Float32)
+                        for j in cutlass.range_constexpr(VEC):
+                            acc[j] = _mul_add_rn(acc[j], wts[i], yv[j])
+            ro = cute.make_rmem_tensor(cute.make_layout((VEC,)), cutlass.BFloat16)
             ro.store(acc.load().to(cutlass.BFloat16))
             cute.autovec_copy(ro, cute.local_tile(out[(row, None)], (VEC,), (c,)))
 
