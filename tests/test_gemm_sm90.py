@@ -584,6 +584,47 @@ def test_grouped_equal_groups(name: str, g: int, r: int, d: int, m: int) -> None
     _assert_close(out, ref, f"{name} M={m}")
 
 
+@pytest.mark.sm90
+@pytest.mark.parametrize("m", [1, 4, 33, 300])
+@pytest.mark.parametrize(
+    "tactic", [None, (64, 16, 4), (128, 256, 2)], ids=["default", "splitk4", "m256k2"]
+)
+def test_grouped_token_major_views(m: int, tactic) -> None:
+    """wo_a's operands as the model holds them: a [T, G, D] input and a [T, G, R] output, passed
+    as transposed views (token stride G*D, group stride D): every output element written, equal
+    bit for bit to the launch on contiguous per-group copies, and to the reference."""
+    g, r, d = 8, 1024, 4096
+    packed, sf, gs = _rand_weight(g, r, d)
+    wp = W.prepare_weight(packed, sf, gs)
+    x = torch.randn(m, g, d, device="cuda", dtype=torch.bfloat16)
+    t = None if tactic is None else TT.Tactic(*tactic)
+    out = _poison((m, g, r))
+    G.grouped(x.transpose(0, 1), wp, out=out.transpose(0, 1), tactic=t)
+    want = G.grouped(x.transpose(0, 1).contiguous(), wp, out=_poison((g, m, r)), tactic=t)
+    assert not out.isnan().any(), "an output element was not written"
+    assert torch.equal(out, want.transpose(0, 1))
+    ref = torch.stack([_ref(x[:, i], packed[i], sf[i], gs[i]) for i in range(g)], dim=1)
+    _assert_close(out, ref, f"token-major M={m}")
+
+
+def test_grouped_refuses_operands_the_kernel_cannot_address() -> None:
+    """A K stride other than 1, a token stride not a multiple of 8 elements or a start off 16
+    bytes is refused by name before any launch (CPU tensors: nothing runs)."""
+    packed, sf, gs = _rand_weight(2, 64, 128, dev="cpu")
+    wp = W.prepare_weight(packed, sf, gs)
+    buf = torch.zeros(4, 2, 136, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="a: strides"):
+        G.grouped(torch.zeros(2, 128, 4, dtype=torch.bfloat16).transpose(1, 2), wp)
+    with pytest.raises(ValueError, match="a: strides"):
+        G.grouped(torch.zeros(4, 2, 130, dtype=torch.bfloat16)[..., :128].transpose(0, 1), wp)
+    with pytest.raises(ValueError, match="a: strides"):
+        G.grouped(buf[..., 1:129].transpose(0, 1), wp)
+    with pytest.raises(ValueError, match="out: strides"):
+        G.grouped(
+            buf[..., :128].transpose(0, 1), wp, out=torch.zeros(2, 64, 4).bfloat16().transpose(1, 2)
+        )
+
+
 MEASURED = [
     (n, k, g, m_max, tactic)
     for (n, k, g), entries in TT.tuned_table(H200).items()

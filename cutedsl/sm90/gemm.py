@@ -4,7 +4,7 @@ Legend: M tokens, N out features, K in features (logical; packed bytes K//2), G 
 E experts, T routed rows (MoE).
 
   linear(a[M, K], wp) -> [M, N]                                   (attention projections, MLPs)
-  grouped(a[G, M, K], wp(G groups)) -> [G, M, N]                  (wo_a)
+  grouped(a[G, M, K], wp(G groups)) -> [G, M, N]                  (wo_a; a, out strided views)
   moe(a[T, K], offs[E+1] int32 on the device, wp(E groups)) -> [T, N]   (routed experts)
 
 BF16 activations and outputs, fp32 accumulation; `wp` is a `cutedsl.sm90.weight.Weight`. Without a
@@ -63,6 +63,16 @@ def _check_a(a: torch.Tensor, ndim: int, k: int) -> None:
     check_tensor("a", a, (None,) * (ndim - 1) + (k,), (torch.bfloat16,), contiguous=True)
 
 
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    """The kernel's a / out operand: unit stride along the last dim, the other strides multiples
+    of 8 elements and a 16-byte aligned start (each row one aligned 16-byte multiple)."""
+    if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) or t.data_ptr() % 16:
+        raise ValueError(
+            f"{name}: strides {list(t.stride())} (start at byte {t.data_ptr() % 16} mod 16), "
+            "expected unit stride along the last dim, the others multiples of 8, 16-byte aligned"
+        )
+
+
 _DUMMY: dict[tuple, torch.Tensor] = {}
 
 
@@ -75,9 +85,9 @@ def _dummy(device: torch.device, shape: tuple, dtype: torch.dtype) -> torch.Tens
 
 
 def _launch(
-    a3: torch.Tensor,  # (La, M, K) bf16 contiguous
+    a3: torch.Tensor,  # (La, M, K) bf16, `_check_rows`
     wp: Weight,
-    out3: torch.Tensor,  # (La, M, N) bf16 contiguous
+    out3: torch.Tensor,  # (La, M, N) bf16, `_check_rows`
     offs: torch.Tensor | None,
     tactic: Tactic | None,
 ) -> None:
@@ -100,9 +110,9 @@ def _launch(
 
 
 def kernel_operands(
-    a3: torch.Tensor,  # (La, M, K) bf16 contiguous
+    a3: torch.Tensor,  # (La, M, K) bf16, `_check_rows`
     wp: Weight,
-    out3: torch.Tensor,  # (La, M, N) bf16 contiguous
+    out3: torch.Tensor,  # (La, M, N) bf16, `_check_rows`
     offs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The operands of a compiled kernel (`cutedsl.sm90.kernels.gemm.compile_kernel`) as views:
@@ -138,16 +148,20 @@ def linear(
 
 
 def grouped(
-    a: torch.Tensor,  # (G, M, K) bf16, per-group contiguous
+    a: torch.Tensor,  # (G, M, K) bf16, `_check_rows` (e.g. x[T, G, K].transpose(0, 1))
     wp: Weight,  # G groups
-    out: torch.Tensor | None = None,  # (G, M, N) bf16
+    out: torch.Tensor | None = None,  # (G, M, N) bf16, `_check_rows`
     tactic: Tactic | None = None,
 ) -> torch.Tensor:
-    """out[g] = a[g] @ dequant(wp[g])^T for G equal groups (wo_a)."""
-    check_tensor("a", a, (wp.groups, None, wp.k), (torch.bfloat16,), contiguous=True)
+    """out[g] = a[g] @ dequant(wp[g])^T for G equal groups (wo_a). a and out are strided views:
+    a token-major [T, G, K] input and [T, G, N] output need no copies."""
+    check_tensor("a", a, (wp.groups, None, wp.k), (torch.bfloat16,))
+    _check_rows("a", a)
     g, m, _ = a.shape
     if out is None:
         out = a.new_empty((g, m, wp.n))
+    check_tensor("out", out, (g, m, wp.n), (torch.bfloat16,))
+    _check_rows("out", out)
     if m == 0:
         return out
     _launch(a, wp, out, None, tactic)

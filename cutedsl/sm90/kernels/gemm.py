@@ -4,11 +4,12 @@ Legend: M tokens, N out features, K in features (logical; packed bytes K//2), L 
 (G o-proj groups or E experts; 1 for a dense linear).
 
 Math (per group l):  out[l][m, n] = gs[l] * sum_k a[l][m, k] * (e2m1(w[l][n, k]) * sf[l][n, k // 16])
-  a   (M, K, L)    bf16, K-major                     activations
+  a   (M, K, L)    bf16, K-major (token and group strides: any multiples of 8)   activations
   w   (N, K/2, L)  uint8, K-major, the sm90 weight encoding (cutedsl.sm90.weight)
   sf  (N, K/64, L) int32, N-major, 4 e5m3 block-scale codes per word (same docstring)
   gs  (L,)         fp32 global scale (weight_scale_2), applied in the epilogue
-  out (N, M, L)    bf16 view of a row-major (L, M, N) tensor
+  out (N, M, L)    bf16, N-major (token and group strides: any multiples of 8), e.g. a view of
+                   a row-major (L, M, N) or (M, L, N) tensor
 Split-K (split_k = S > 1): the S CTAs of one output tile are one thread-block cluster (1, 1, S)
 along grid.z; each parks its fp32 accumulators in its own shared memory, and after a cluster
 barrier CTA s sums slice s of the tile over the S partials through distributed shared memory, in
@@ -53,7 +54,8 @@ Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n cons
 
 Compile-time: tile_n (64|128), tile_m (16..256, multiple of 8), split_k (1..8, dividing tile_m/2;
 dense / grouped only), moe, dtypes, stages.
-Runtime: M (or T), the group count and strides, offs, pointers, stream.
+Runtime: M (or T), the group count, the token and group strides of a and out, offs, pointers,
+stream.
 Graph safety: no host sync; the grid depends on M/T, N, split_k and L only.
 Constraints: N % tile_n == 0, K % (64 * split_k) == 0, K % 64 == 0.
 """
@@ -65,7 +67,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from cutedsl.kernels import device_utils as du
 from cutedsl.kernels.checks import KernelTarget
@@ -775,9 +777,11 @@ def fake_operands(moe: bool):
     kt = s32(symbol="K64")
     g = s32(symbol="L")
     la = 1 if moe else g
-    a = make_fake_compact_tensor(
-        cutlass.BFloat16, (m, k, la), stride_order=(1, 0, 2), assumed_align=16
-    )
+    # a and out: unit stride along K / N; the token and group strides are free multiples of 8
+    # elements (16-byte rows), so wo_a reads its [T, G, D] input and writes [T, G, N] in place
+    sam, sal = s32(divisibility=8, symbol="SAM"), s32(divisibility=8, symbol="SAL")
+    scm, scl = s32(divisibility=8, symbol="SCM"), s32(divisibility=8, symbol="SCL")
+    a = make_fake_tensor(cutlass.BFloat16, (m, k, la), (sam, 1, sal), assumed_align=16)
     w = make_fake_compact_tensor(
         cutlass.Uint8, (n, kh, g), stride_order=(1, 0, 2), assumed_align=16
     )
@@ -785,9 +789,7 @@ def fake_operands(moe: bool):
         cutlass.Int32, (n, kt, g), stride_order=(0, 1, 2), assumed_align=16
     )
     gs = make_fake_compact_tensor(cutlass.Float32, (g,), assumed_align=4)
-    out = make_fake_compact_tensor(
-        cutlass.BFloat16, (n, m, la), stride_order=(0, 1, 2), assumed_align=16
-    )
+    out = make_fake_tensor(cutlass.BFloat16, (n, m, la), (1, scm, scl), assumed_align=16)
     offs = make_fake_compact_tensor(cutlass.Int32, (s32(symbol="E1"),), assumed_align=4)
     return a, w, sf, gs, out, offs, make_fake_stream(use_tvm_ffi_env_stream=True)
 
