@@ -119,7 +119,7 @@ def encode_weight(packed: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor,
     # packed byte kb of a 64-wide K tile: kb = 16q + 8jj + 4h + c, pair p = 2jj + h
     pair = torch.arange(_BK // 2, device=dev).div(4, rounding_mode="floor") % 4
     base = (pair * 256).reshape(1, 1, _BK // 2)
-    shift = 8 * torch.arange(4, device=dev, dtype=torch.int32)
+    shift = 8 * torch.arange(4, device=dev)
     for r0 in range(0, L * N, _ROWS_PER_CHUNK):
         r1 = min(L * N, r0 + _ROWS_PER_CHUNK)
         s = rows_s[r0:r1]
@@ -135,8 +135,8 @@ def encode_weight(packed: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor,
         w_out[r0:r1] = (
             word.view(torch.uint8).reshape(r1 - r0, T, 8, 8)[..., :4].reshape(r1 - r0, KH)
         )
-        sw = (code_s.reshape(r1 - r0, T, 4).to(torch.int32) << shift).sum(-1, dtype=torch.int32)
-        s_rows[r0:r1] = sw
+        sw = (code_s.reshape(r1 - r0, T, 4).long() << shift).sum(-1)  # < 2^32, as int32 bits:
+        s_rows[r0:r1] = torch.where(sw >= 2**31, sw - 2**32, sw).to(torch.int32)
     w = w_out.reshape(L, N, KH)
     return w, s_rows.reshape(L, N, T).transpose(1, 2).contiguous()
 
