@@ -83,6 +83,7 @@ fi
 # small CPU ops (torch.repeat_interleave in CompressorMetadataBuilder.build) that fork and join
 # torch's OpenMP pool, one thread per core, on the decode step's critical path.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+echo "serve.sh: OMP_NUM_THREADS=$OMP_NUM_THREADS (torch CPU threads of the server)"
 
 # The DeepSeek V4 flags of the vLLM recipes (scripts/dsv4_flags.sh).
 # shellcheck disable=SC2086
