@@ -46,12 +46,14 @@ def _stub(with_ids: bool = True):
                 if with_ids:
                     choice["token_ids"] = _continuation(body["prompt"], body["max_tokens"])
                 data = json.dumps({"choices": [choice]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
             finally:
+                # released before the answer goes out: once the client has it, it may send the
+                # next request, which this handler thread could otherwise still be holding off
                 busy.release()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
     srv.daemon_threads = True
