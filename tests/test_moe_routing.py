@@ -187,12 +187,13 @@ def test_route_kernel_contract(case: str, m: int, k: int, e: int) -> None:
         (2, 1, 8),
         (5, 3, 1032),
         (3, 9, 520),
+        (4, 17, 64),
     ],
 )
 def test_combine_kernel_is_bitwise_the_cpu_statement(m: int, k: int, h: int) -> None:
     """Routed ids with drops, y with NaN in every row not named by inv: the kernel's output equals
     the CPU torch statement bit for bit, and two launches agree. topk below, at and past the
-    kernel's slot group (4), H whose column vectors do not fill the last CTA."""
+    kernel's slot group (8), H whose column vectors do not fill the last CTA."""
     g = fresh_gen()
     e = 32
     ids = _ids("random", m, k, e, g)

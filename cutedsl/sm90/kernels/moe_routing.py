@@ -59,7 +59,7 @@ WARPS = THREADS // 32
 MAX_E = THREADS  # one expert count per thread in the scan
 COMBINE_THREADS = 128
 VEC = 8  # bf16 per 16-byte access
-SLOTS = 4  # combine: slots whose loads are issued together
+SLOTS = 8  # combine: slots whose loads are issued together (DSv4: topk 6 or 8, one group)
 
 
 # ------------------------------------------------------------------------------ device helpers
