@@ -135,7 +135,7 @@ def encode_weight(packed: torch.Tensor, sf: torch.Tensor) -> tuple[torch.Tensor,
         w_out[r0:r1] = (
             word.view(torch.uint8).reshape(r1 - r0, T, 8, 8)[..., :4].reshape(r1 - r0, KH)
         )
-        sw = (code_s.reshape(r1 - r0, T, 4).long() << shift).sum(-1)  # < 2^32, as int32 bits:
+        sw = (code_s.reshape(r1 - r0, T, 4).long() << shift).sum(-1)  # < 2^32: stored as int32 bits
         s_rows[r0:r1] = torch.where(sw >= 2**31, sw - 2**32, sw).to(torch.int32)
     w = w_out.reshape(L, N, KH)
     return w, s_rows.reshape(L, N, T).transpose(1, 2).contiguous()

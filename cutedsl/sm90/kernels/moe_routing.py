@@ -52,14 +52,14 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cutedsl.kernels.checks import KernelTarget
-from cutedsl.kernels.device_utils import asm, warp_inclusive_scan
+from cutedsl.kernels.device_utils import asm, f32_rn, warp_inclusive_scan
 
 THREADS = 1024  # route: one CTA
 WARPS = THREADS // 32
 MAX_E = THREADS  # one expert count per thread in the scan
 COMBINE_THREADS = 128
 VEC = 8  # bf16 per 16-byte access
-SLOTS = 8  # combine: slots whose loads are issued together (DSv4: topk 6 or 8, one group)
+SLOTS = 8  # combine: slots whose loads are issued together (a topk <= 8 in one group)
 
 
 # ------------------------------------------------------------------------------ device helpers
@@ -100,14 +100,6 @@ def _lowest_lane(mask, *, loc=None, ip=None) -> Int32:
 def _popc(v, *, loc=None, ip=None) -> Int32:
     ops = [Int32(v).ir_value(loc=loc, ip=ip)]
     return Int32(asm(T.i32(), ops, "popc.b32 $0, $1;", "=r,r", loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _mul_add_rn(acc, w, y, *, loc=None, ip=None) -> Float32:
-    """acc + w*y with two IEEE roundings (explicit .rn: ptxas does not fuse them into an FMA)."""
-    ops = [Float32(a).ir_value(loc=loc, ip=ip) for a in (acc, w, y)]
-    text = "{\n.reg .f32 p;\nmul.rn.f32 p, $2, $3;\nadd.rn.f32 $0, $1, p;\n}"
-    return Float32(asm(T.f32(), ops, text, "=f,f,f,f", loc=loc, ip=ip))
 
 
 # ------------------------------------------------------------------------------ route
@@ -272,7 +264,7 @@ class MoeCombineKernel:
                     if ok[i]:
                         yv = ry[i].load().to(Float32)
                         for j in cutlass.range_constexpr(VEC):
-                            acc[j] = _mul_add_rn(acc[j], wts[i], yv[j])
+                            acc[j] = f32_rn("add", acc[j], f32_rn("mul", wts[i], yv[j]))
             ro = cute.make_rmem_tensor(cute.make_layout((VEC,)), cutlass.BFloat16)
             ro.store(acc.load().to(cutlass.BFloat16))
             cute.autovec_copy(ro, cute.local_tile(out[(row, None)], (VEC,), (c,)))
