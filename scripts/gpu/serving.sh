@@ -13,7 +13,8 @@
 #   2. ours, then upstream, each alone on the GPU (ONE_AT_A_TIME=1, the default; 0 keeps both
 #      servers up at once, GPU_MEM_UTIL each): start the server (env.sh start_flash: ports
 #      8001/8002, identical flags, CUDA graphs for CAPTURE_SIZES, KV_CACHE_BYTES of KV cache),
-#      wait until healthy, then
+#      wait until healthy and until the DeepGEMM prewarm has finished (no measurement runs beside
+#      it), then
 #      a. `vllm bench serve` (bench/serve_bench.py --in-process, one dataset seed per run) on every
 #         SHAPES x CONCS point, repeat 0;
 #      b. per concurrency in PROFILE_CONCS, its decode profile (bench/profile_server.py,
@@ -297,6 +298,10 @@ for n in $ORDER; do
     start_flash "$n"
     wait_flash "$n" $(( $(left) - 40 )) || { note "$n not healthy yet: call again"; finish; exit 1; }
     note "$n healthy"
+    # nothing of this script's own runs beside a measurement: the DeepGEMM prewarm's compile
+    # processes take the CPU cores a server's host-bound decode steps need
+    wait_deepgemm
+    if running "$STATE/deepgemm.pid"; then note "DeepGEMM prewarm still running: call again"; finish; exit 1; fi
     bench_done "$n" 1 || bench_pass "$n" 1
     for c in $PROFILE_CONCS; do profile "$n" "$c"; done
     for c in $HOST_CONCS; do host_profile "$n" "$c"; done
