@@ -47,7 +47,11 @@ imports per run); a run is then not killed at its timeout (the driver's own time
 shape's prompt length (random token ids, --warmup-max-tokens tokens, greedy), so that first-use
 JIT compilation (Triton, TileLang) of the server is out of the measured runs; recorded in
 header.warmups (shape, n, wall_s, errors), counted in the time budget, and done once per shape
-across resumed invocations. SIGTERM (a driver's `timeout`) or Ctrl-C kills the running CLI's process group,
+across resumed invocations. --warmup-per-concurrency: instead, before the first run of each
+(shape, concurrency) point, one wave of `concurrency` such requests, so that every prefill token
+count the measured runs batch (concurrency x prompt length, up to the server's chunk) has been
+seen once (first-use compiles belong to the start-up benchmark, not to a steady-state point).
+SIGTERM (a driver's `timeout`) or Ctrl-C kills the running CLI's process group,
 records that run as "interrupted" and exits 143 (130). Exit status otherwise: 0 when every run
 that was started is "ok", 1 when one was not, 2 on bad arguments.
 """
@@ -363,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --time-budget: start no run with less than this left")  # fmt: skip
     ap.add_argument("--resume", action="store_true", help="keep and skip the ok runs in --out")
     ap.add_argument("--warmup-requests", type=int, default=0, help="per shape, before its runs")
+    ap.add_argument("--warmup-per-concurrency", action="store_true",
+                    help="one wave of `concurrency` requests before each point's first run")  # fmt: skip
     ap.add_argument("--warmup-max-tokens", type=int, default=4)
     ap.add_argument("--warmup-timeout", type=float, default=300.0)
     ap.add_argument("--log-dir", default=None, help="CLI logs (default: a temp dir)")
@@ -465,7 +471,9 @@ def _loop(
         for r in doc["runs"]
         if r.get("status") == "ok"
     }
-    warmed = {w["shape"] for w in doc["header"].get("warmups", []) if not w.get("errors")}
+    warmed = {
+        w.get("key", w["shape"]) for w in doc["header"].get("warmups", []) if not w.get("errors")
+    }
     with tempfile.TemporaryDirectory(prefix="serve_bench_") as rdir:
         points = [(s, c) for s in shapes for c in concs]
         for i, (rep, ((req_in, req_out, inp, outl), conc)) in enumerate(
@@ -499,15 +507,20 @@ def _loop(
                 _write(out, doc)
                 print(f"[{i}/{total}] {tag}: skipped ({rec['error']})", flush=True)
                 continue
-            if a.warmup_requests > 0 and f"{inp}x{outl}" not in warmed:
+            wkey, wn = f"{inp}x{outl}", a.warmup_requests
+            if a.warmup_per_concurrency:
+                wkey, wn = f"{inp}x{outl}@c{conc}", conc
+            if wn > 0 and wkey not in warmed:
                 wt = a.warmup_timeout if remaining is None else min(a.warmup_timeout, remaining)
-                w = warmup(a.base_url, a.served_model_name or a.model, inp, a.warmup_requests,
+                w = warmup(a.base_url, a.served_model_name or a.model, inp, wn,
                            a.warmup_max_tokens, a.seed + 1, wt)  # fmt: skip
-                w["shape"] = f"{inp}x{outl}"
+                w["shape"], w["key"] = f"{inp}x{outl}", wkey
+                if a.warmup_per_concurrency:
+                    w["concurrency"] = conc
                 doc["header"].setdefault("warmups", []).append(w)
-                warmed.add(w["shape"])
+                warmed.add(wkey)
                 _write(out, doc)
-                print(f"[{i}/{total}] warm-up {w['shape']}: {w['n']} requests, "
+                print(f"[{i}/{total}] warm-up {wkey}: {w['n']} requests, "
                       f"{w['wall_s']:.0f} s, errors {w['errors']}", flush=True)  # fmt: skip
                 if a.time_budget is not None:
                     remaining = a.time_budget - (time.monotonic() - t_start)

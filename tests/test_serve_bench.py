@@ -431,3 +431,36 @@ def test_resume_warmup_and_min_run(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert "--min-run-s 10" in doc["runs"][-1]["error"] and len(doc["runs"]) == 3
     finally:
         srv.shutdown()
+
+
+def test_warmup_per_concurrency(tmp_path: Path) -> None:
+    """--warmup-per-concurrency: one wave of `concurrency` requests before each (shape,
+    concurrency) point's first run, none before its repeats or a resumed invocation's."""
+    fake = tmp_path / "fake_cli.py"
+    fake.write_text(_FAKE_CLI)
+    launcher = tmp_path / "python"
+    launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {fake} "$@"\n')
+    launcher.chmod(0o755)
+    srv, url, seen = _warmup_stub()
+    out = tmp_path / "r.json"
+    args = ["--base-url", url, "--model", "m", "--label", "x", "--no-fit", "--out", str(out),
+            "--log-dir", str(tmp_path / "logs"), "--python", str(launcher), "--shapes", "16x8",
+            "--concurrency", "1,3", "--repeats", "2", "--warmup-per-concurrency",
+            "--warmup-max-tokens", "2", "--resume"]  # fmt: skip
+    try:
+        assert serve_bench.main(args) == 0
+        doc = json.loads(out.read_text())
+        assert [(r["concurrency"], r["repeat"]) for r in doc["runs"]] == [
+            (1, 0),
+            (3, 0),
+            (1, 1),
+            (3, 1),
+        ]
+        warm = [(w["key"], w["n"], w["concurrency"], w["errors"]) for w in doc["header"]["warmups"]]
+        assert warm == [("16x8@c1", 1, 1, []), ("16x8@c3", 3, 3, [])]
+        assert len(seen) == 4 and all(len(b["prompt"]) == 16 and b["max_tokens"] == 2 for b in seen)
+        assert serve_bench.main([*args, "--concurrency", "1,3,2"]) == 0  # only c2 is new
+        assert len(seen) == 6
+        assert json.loads(out.read_text())["header"]["warmups"][-1]["key"] == "16x8@c2"
+    finally:
+        srv.shutdown()

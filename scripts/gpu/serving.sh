@@ -16,7 +16,8 @@
 #      wait until healthy and until the DeepGEMM prewarm has finished (no measurement runs beside
 #      it), then
 #      a. `vllm bench serve` (bench/serve_bench.py --in-process, one dataset seed per run) on every
-#         SHAPES x CONCS point, repeat 0;
+#         SHAPES x CONCS point, repeat 0, each point's first run after one warm-up wave at its
+#         concurrency (its prefill token counts seen once: first-use stalls are startup.sh's);
 #      b. per concurrency in PROFILE_CONCS, its decode profile (bench/profile_server.py,
 #         1024-token prompts); per concurrency in HOST_CONCS, its host profile with no profiler
 #         attached (bench/host_profile.py: step time, CPU per server thread, foreign load, and
@@ -172,7 +173,7 @@ bench_pass() {  # bench_pass ours|upstream REPEATS: every point up to that many 
         --base-url "http://127.0.0.1:$port" --model flash --tokenizer "$(flash_ckpt ours)" \
         --label "$label" --shapes "$(echo $SHAPES | tr ' ' ,)" --concurrency "$(echo $CONCS | tr ' ' ,)" \
         --prompts-per-concurrency "$PPC" --repeats "$reps" --seed-per-run --in-process \
-        --num-warmups 0 --warmup-requests 8 --time-budget "$t" --min-run-s "$MIN_RUN_S" --resume \
+        --num-warmups 0 --warmup-per-concurrency --time-budget "$t" --min-run-s "$MIN_RUN_S" --resume \
         --log-dir "$STATE/logs_$label" --out "$STATE/serve_$n.json"
     kill "$watch" 2>/dev/null
     tail -n 3 "$R/bench_${label}_r$reps.log" | tee -a "$OUT/summary.txt"
