@@ -385,17 +385,22 @@ def _warmup_stub():
     return srv, f"http://127.0.0.1:{srv.server_address[1]}", seen
 
 
-def test_resume_warmup_and_min_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A driver calls serve_bench once per point over several invocations: --resume keeps the ok
-    runs, re-runs the failed one in place, and warms each shape up once (token-id prompts of the
-    shape's length, short outputs, before its first run)."""
+def _fake_cli(tmp_path: Path) -> Path:
+    """An interpreter stand-in that runs _FAKE_CLI whatever module it is asked for."""
     fake = tmp_path / "fake_cli.py"
     fake.write_text(_FAKE_CLI)
     launcher = tmp_path / "python"
     launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {fake} "$@"\n')
     launcher.chmod(0o755)
+    return launcher
+
+
+def test_resume_warmup_and_min_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver calls serve_bench once per point over several invocations: --resume keeps the ok
+    runs, re-runs the failed one in place, and warms each shape up once (token-id prompts of the
+    shape's length, short outputs, before its first run)."""
     srv, url, seen = _warmup_stub()
-    out = tmp_path / "r.json"
+    launcher, out = _fake_cli(tmp_path), tmp_path / "r.json"
     base = ["--base-url", url, "--model", "m", "--label", "x", "--no-fit", "--out", str(out),
             "--log-dir", str(tmp_path / "logs"), "--python", str(launcher)]  # fmt: skip
     try:
@@ -436,13 +441,8 @@ def test_resume_warmup_and_min_run(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 def test_warmup_per_concurrency(tmp_path: Path) -> None:
     """--warmup-per-concurrency: one wave of `concurrency` requests before each (shape,
     concurrency) point's first run, none before its repeats or a resumed invocation's."""
-    fake = tmp_path / "fake_cli.py"
-    fake.write_text(_FAKE_CLI)
-    launcher = tmp_path / "python"
-    launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {fake} "$@"\n')
-    launcher.chmod(0o755)
     srv, url, seen = _warmup_stub()
-    out = tmp_path / "r.json"
+    launcher, out = _fake_cli(tmp_path), tmp_path / "r.json"
     args = ["--base-url", url, "--model", "m", "--label", "x", "--no-fit", "--out", str(out),
             "--log-dir", str(tmp_path / "logs"), "--python", str(launcher), "--shapes", "16x8",
             "--concurrency", "1,3", "--repeats", "2", "--warmup-per-concurrency",
