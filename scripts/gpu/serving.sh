@@ -18,7 +18,7 @@
 #      a. `vllm bench serve` (bench/serve_bench.py --in-process, one dataset seed per run) on every
 #         SHAPES x CONCS point, repeat 0, each point's first run after one warm-up wave at its
 #         concurrency (its prefill token counts seen once: first-use stalls are startup.sh's);
-#      b. per concurrency in PROFILE_CONCS, its decode profile (bench/profile_server.py,
+#      b. per concurrency in PROFILE_CONCS, its decode profile (bench/profile_server.py, PROFILE_S s,
 #         1024-token prompts); per concurrency in HOST_CONCS, its host profile with no profiler
 #         attached (bench/host_profile.py: step time, CPU per server thread, foreign load, and
 #         py-spy stacks of the busiest server processes when PYSPY names a py-spy binary);
@@ -74,6 +74,7 @@ SHAPES=${SHAPES:-1024x1024 8192x1024}
 CONCS=${CONCS:-1 4 16 64 128}
 REPEATS=${REPEATS:-2}
 PROFILE_CONCS=${PROFILE_CONCS:-1 4 16 64 128}
+PROFILE_S=${PROFILE_S:-2}  # seconds of decode each profile records (the trace write takes ~5x that)
 HOST_CONCS=${HOST_CONCS:-4 64}
 PYSPY=${PYSPY:-$(command -v py-spy || true)}
 MIN_RUN_S=${MIN_RUN_S:-40}  # a bench point is not started with less time than this left
@@ -201,7 +202,7 @@ profile() {  # profile ours|upstream C
     step "profile_${label}_c$c" "$t" "$PYTHON" "$REPO/bench/profile_server.py" run \
         --base-url "http://127.0.0.1:$port" --model flash --trace-dir "$(flash_prof_dir "$n")" \
         --label "$label" --concurrency "$c" --prompt-len 1024 --max-tokens 4096 \
-        --profile-s 2 --trace-timeout $((t - 25)) \
+        --profile-s "$PROFILE_S" --trace-timeout $((t - 25)) \
         --out "$STATE/profile_${n}_c$c.json" --md "$STATE/profile_${n}_c$c.md"
     rm -f "$(flash_prof_dir "$n")"/*  # the raw traces are large; the JSON keeps the numbers
 }
