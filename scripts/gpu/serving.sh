@@ -302,7 +302,7 @@ for n in $ORDER; do
     note "$n healthy"
     # nothing of this script's own runs beside a measurement: the DeepGEMM prewarm's compile
     # processes take the CPU cores a server's host-bound decode steps need
-    wait_deepgemm
+    running "$STATE/deepgemm.pid" && wait_deepgemm  # (upstream waited for it before it started)
     if running "$STATE/deepgemm.pid"; then note "DeepGEMM prewarm still running: call again"; finish; exit 1; fi
     bench_done "$n" 1 || bench_pass "$n" 1
     for c in $PROFILE_CONCS; do profile "$n" "$c"; done
