@@ -73,9 +73,9 @@ STATE=${STATE:-$RUN_DIR/serving_state}
 SHAPES=${SHAPES:-1024x1024 8192x1024}
 CONCS=${CONCS:-1 4 16 64 128}
 REPEATS=${REPEATS:-2}
-PROFILE_CONCS=${PROFILE_CONCS:-1 4 16 64 128}
+PROFILE_CONCS=${PROFILE_CONCS-1 4 16 64 128}  # empty: no profiles
 PROFILE_S=${PROFILE_S:-2}  # seconds of decode each profile records (the trace write takes ~5x that)
-HOST_CONCS=${HOST_CONCS:-4 64}
+HOST_CONCS=${HOST_CONCS-4 64}  # empty: no host profiles
 PYSPY=${PYSPY:-$(command -v py-spy || true)}
 MIN_RUN_S=${MIN_RUN_S:-40}  # a bench point is not started with less time than this left
 # requests per bench point = PPC x concurrency: PPC waves of prefill + decode averaged in one point
@@ -92,6 +92,10 @@ for n in $ORDER; do
     case $n in ours | upstream) ;; *) echo "serving.sh: ORDER=$ORDER: each name is ours or upstream" >&2; exit 2 ;; esac
 done
 mkdir -p "$STATE"
+# the settings that shape the results, as the report's command line
+SETTINGS="FLASH_LAYERS=$FLASH_LAYERS SHAPES='$SHAPES' CONCS='$CONCS' REPEATS=$REPEATS PPC=$PPC"
+SETTINGS+=" PROFILE_CONCS='$PROFILE_CONCS' PROFILE_S=$PROFILE_S HOST_CONCS='$HOST_CONCS' MIN_RUN_S=$MIN_RUN_S"
+SETTINGS+=" CAPTURE_SIZES='$CAPTURE_SIZES' MAX_NUM_SEQS=$MAX_NUM_SEQS"
 left() { echo $((BUDGET - SECONDS)); }
 note() { echo "$(date -u +%T) [${SECONDS}s] $*" | tee -a "$OUT/summary.txt"; }
 label_of() { case $1 in ours) echo cutedsl-nvfp4 ;; upstream) echo upstream-native ;; esac; }
@@ -324,7 +328,7 @@ if bench_done ours "$REPEATS" && bench_done upstream "$REPEATS"; then
     step report 120 "$PYTHON" "$REPO/bench/serving.py" report \
         --ckpt "ours=$(flash_ckpt ours)" --ckpt "upstream=$(flash_ckpt upstream)" \
         --serve "ours=$STATE/serve_ours.json" --serve "upstream=$STATE/serve_upstream.json" \
-        "${profs[@]}" --copy "$STATE/copy.json" --command "bash scripts/gpu/serving.sh" \
+        "${profs[@]}" --copy "$STATE/copy.json" --command "$SETTINGS bash scripts/gpu/serving.sh" \
         --commit "${COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo 'not recorded')}" \
         --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
         --versions "$(tail -n 4 "$R/device.txt" | tr '\n' ' ')" \
