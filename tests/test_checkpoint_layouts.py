@@ -9,26 +9,36 @@ nvidia/DeepSeek-V4-Flash-NVFP4, nvidia/DeepSeek-V4-Pro-NVFP4 (format `nvidia-mix
   - The exporter NVIDIA documents for these checkpoints: github.com/NVIDIA/Model-Optimizer,
     examples/deepseek/README.md ("DeepSeek V4 routed-expert NVFP4": only the routed experts are
     NVFP4 W4A4; attention, router gate, shared experts, embeddings and LM head keep their native
-    formats) and examples/deepseek/deepseek_v4/quantize_to_nvfp4.py (read at commit 0fd7b4c4):
-      * keeps DeepSeek's native names and 64-shard layout; routed experts matching
-        `^(?:mtp\\.\\d+|layers\\.\\d+)\\.ffn\\.experts\\.\\d+\\.w[123]\\.weight$` (the MTP block's
-        experts too) become `.weight` u8 (out, in//2), `.weight_scale` E4M3 (out, in//16),
+    formats) and examples/deepseek/deepseek_v4/quantize_to_nvfp4.py (read at commit a2fbac7):
+      * keeps DeepSeek's native names; routed experts matching
+        `^layers\\.\\d+\\.ffn\\.experts\\.\\d+\\.w[123]\\.weight$` ("MTP experts remain in source
+        format") become `.weight` u8 (out, in//2), `.weight_scale` E4M3 (out, in//16),
         `.weight_scale_2` f32 0-d (= amax / (6*448)), `.input_scale` f32 0-d; the MXFP4 `.scale`
         sibling is dropped; w1/w3 share one weight amax and one input amax;
-      * config.json: the source quantization_config with quant_method "fp8",
-        activation_scheme "dynamic" (setdefault), weight_block_size [128, 128] (setdefault) and
-        "moe_quant_algo": "NVFP4" added; written with sort_keys;
-      * hf_quant_config.json: {"producer": {"name": "modelopt", "version":
-        "dsv4-nvfp4-experts"}, "quantization": {"quant_algo": "MIXED_PRECISION",
-        "kv_cache_quant_algo": null, "group_size": 16, "quantized_layers": {<expert path>:
-        {"quant_algo": "NVFP4", "group_size": 16}}, "exclude_modules": [...14 patterns...]}};
-      * model.safetensors.index.json: the source's, `.scale` keys removed, the three new keys
-        added, "metadata" copied from the source.
-  - NOT found: the published config.json, hf_quant_config.json and index of either repository
-    (no Hugging Face file is in the search corpora). What the files hold is inferred from the
-    exporter above; the producer "version" string and any later edit by NVIDIA are unverified.
+      * config.json (`_rewrite_config_json`): the source quantization_config (quant_method
+        "fp8", activation_scheme, weight_block_size kept) plus quant_algo "MIXED_PRECISION",
+        moe_quant_algo "NVFP4", group_size 16, kv_cache_quant_algo null, producer {"name":
+        "modelopt", "version": "dsv4-nvfp4-experts"}, config_groups.group_0 (targets ["Linear"],
+        weights and input_activations 4-bit float, group 16, static), quantized_layers (one
+        `layers.L.ffn.experts` entry per main layer: {"quant_algo": "NVFP4", "group_size": 16})
+        and ignore ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"];
+      * hf_quant_config.json (`_build_hf_quant_config`): producer as above, "quantization":
+        {quant_algo MIXED_PRECISION, kv_cache_quant_algo null, group_size 16, the same
+        quantized_layers, exclude_modules = the same 4 patterns};
+      * model.safetensors.index.json: the source's, `.scale` keys of converted experts removed,
+        the three new keys added.
+  - Third-party reads of the published files (quoted in public notes; no Hugging Face file is in
+    the search corpora): the HEAD config.json keys above, 43 quantized_layers entries on Flash,
+    none for mtp; a header read of model-00046-of-00046.safetensors shows
+    `mtp.0.ffn.experts.0.w1.weight` I8 [2048, 2048] with `.scale` F8_E8M0 [2048, 128] (MXFP4 as
+    DeepSeek ships it; our native layout writes that weight as u8, the same bytes) and no global
+    scales. An earlier revision of the repositories carried per-projection quantized_layers keys
+    with `awq_block_size` in hf_quant_config.json (same weights).
     vLLM 0.21.0 reads hf_quant_config.json only when config.json has no quantization_config
-    (vllm/transformers_utils/config.py:780-792), so config.json decides: DeepseekV4FP8Config.
+    (vllm/transformers_utils/config.py:780-792), so config.json decides: DeepseekV4FP8Config,
+    whose MoE layers the overlay gives NVFP4 experts only where quantized_layers names them.
+    vllm-project/recipes pull 541 (the NVFP4 variant's guide): "attention, shared experts, router
+    head, and MTP stay" in DeepSeek's formats.
   - DeepSeek's own quantization_config (quant_method fp8, activation_scheme dynamic, fmt e4m3,
     scale_fmt ue8m0, weight_block_size [128, 128]) and compress_ratios with one trailing entry
     for the MTP layer: /work/shared/research/vllm021_dsv4.md section 4 and
@@ -100,7 +110,7 @@ from cutedsl import formats as F
 from cutedsl.tools import quantize as Q
 from cutedsl.tools import tiny_model as TM
 from cutedsl.tools.checkpoint import Checkpoint, CheckpointError, read_linear, validate_layout
-from cutedsl.tools.schema import NVIDIA_EXCLUDE_MODULES, ConfigError, detect_format
+from cutedsl.tools.schema import NVIDIA_IGNORE, ConfigError, detect_format
 
 MICRO = {
     "hidden_size": 512,
@@ -143,22 +153,36 @@ def _meta(t: torch.Tensor) -> tuple[list[int], torch.dtype]:
 # nvidia-mixed
 
 
-def test_nvidia_config_is_deepseek_fp8_plus_moe_quant_algo(ckpts) -> None:
+def test_nvidia_config_is_deepseek_fp8_plus_modelopt_keys(ckpts) -> None:
     cfg = json.load(open(os.path.join(ckpts["nvidia-mixed"], "config.json")))
+    nvfp4 = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
     assert cfg["quantization_config"] == {
         "quant_method": "fp8",
         "activation_scheme": "dynamic",
         "fmt": "e4m3",
         "scale_fmt": "ue8m0",
         "weight_block_size": [128, 128],
+        "quant_algo": "MIXED_PRECISION",
         "moe_quant_algo": "NVFP4",
+        "group_size": 16,
+        "kv_cache_quant_algo": None,
+        "producer": {"name": "modelopt", "version": "dsv4-nvfp4-experts"},
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": nvfp4, "input_activations": nvfp4}
+        },
+        "quantized_layers": {
+            f"layers.{i}.ffn.experts": {"quant_algo": "NVFP4", "group_size": 16}
+            for i in range(LAYERS)
+        },
+        "ignore": ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"],
     }
     assert cfg["expert_dtype"] == "fp4" and cfg["num_nextn_predict_layers"] == 1
     assert detect_format(cfg) == "nvidia-mixed"
 
 
-def test_nvidia_hf_quant_config_lists_every_expert_projection(ckpts) -> None:
+def test_nvidia_hf_quant_config_lists_every_nvfp4_expert_layer(ckpts) -> None:
     hqc = json.load(open(os.path.join(ckpts["nvidia-mixed"], "hf_quant_config.json")))
+    cfg = json.load(open(os.path.join(ckpts["nvidia-mixed"], "config.json")))
     assert hqc["producer"] == {"name": "modelopt", "version": "dsv4-nvfp4-experts"}
     q = hqc["quantization"]
     assert (q["quant_algo"], q["kv_cache_quant_algo"], q["group_size"]) == (
@@ -166,25 +190,24 @@ def test_nvidia_hf_quant_config_lists_every_expert_projection(ckpts) -> None:
         None,
         16,
     )
-    assert q["exclude_modules"] == NVIDIA_EXCLUDE_MODULES
-    assert len(q["exclude_modules"]) == 14
-    # Independent of the schema: every expert projection that carries an input_scale.
+    assert q["exclude_modules"] == NVIDIA_IGNORE == cfg["quantization_config"]["ignore"]
+    assert q["quantized_layers"] == cfg["quantization_config"]["quantized_layers"]
+    # Independent of the schema: the experts' layers that carry an NVFP4 input_scale.
     t = _tensors(ckpts["nvidia-mixed"])
-    expected = sorted(k.removesuffix(".input_scale") for k in t if k.endswith(".input_scale"))
-    assert sorted(q["quantized_layers"]) == expected
-    E = MICRO["n_routed_experts"]
-    assert len(expected) == (LAYERS + 1) * E * 3
-    assert all(
-        v == {"quant_algo": "NVFP4", "group_size": 16} for v in q["quantized_layers"].values()
+    expected = {
+        k.split(".ffn.experts.")[0] + ".ffn.experts" for k in t if k.endswith(".input_scale")
+    }
+    assert (
+        sorted(q["quantized_layers"])
+        == sorted(expected)
+        == [f"layers.{i}.ffn.experts" for i in range(LAYERS)]
     )
-    assert any(n.startswith("mtp.0.ffn.experts.") for n in expected)
 
 
-@pytest.mark.parametrize("block", ["layers.1.", "mtp.0."])
-def test_nvidia_experts_nvfp4_rest_native_fp8(ckpts, block: str) -> None:
+def test_nvidia_experts_nvfp4_mtp_experts_mxfp4_rest_native_fp8(ckpts) -> None:
     t = _tensors(ckpts["nvidia-mixed"])
     H, I = MICRO["hidden_size"], MICRO["moe_intermediate_size"]
-    e = f"{block}ffn.experts.5."
+    e = "layers.1.ffn.experts.5."
     assert _meta(t[e + "w1.weight"]) == ([I, H // 2], torch.uint8)
     assert _meta(t[e + "w1.weight_scale"]) == ([I, H // 16], torch.float8_e4m3fn)
     assert _meta(t[e + "w2.weight"]) == ([H, I // 2], torch.uint8)
@@ -195,11 +218,18 @@ def test_nvidia_experts_nvfp4_rest_native_fp8(ckpts, block: str) -> None:
         assert e + f"{w}.scale" not in t  # the MXFP4 sibling is dropped
     # w1/w3 share one global scale (vLLM's fused w13 keeps one)
     assert torch.equal(t[e + "w1.weight_scale_2"], t[e + "w3.weight_scale_2"])
+    # the MTP block's experts: DeepSeek's MXFP4 (e2m1 pairs + e8m0 per 32), no global scales
+    m = "mtp.0.ffn.experts.5."
+    assert _meta(t[m + "w1.weight"]) == ([I, H // 2], torch.uint8)
+    assert _meta(t[m + "w1.scale"]) == ([I, H // 32], torch.float8_e8m0fnu)
+    assert _meta(t[m + "w2.scale"]) == ([H, I // 32], torch.float8_e8m0fnu)
+    assert not any(k.startswith(m) and k.endswith(("_scale", "_scale_2")) for k in t)
     # attention and the shared expert: DeepSeek FP8 block, e8m0 scales
-    a = f"{block}attn.wq_b"
-    assert t[a + ".weight"].dtype == torch.float8_e4m3fn
-    assert t[a + ".scale"].dtype == torch.float8_e8m0fnu
-    assert t[f"{block}ffn.shared_experts.w2.scale"].dtype == torch.float8_e8m0fnu
+    for block in ("layers.1.", "mtp.0."):
+        a = f"{block}attn.wq_b"
+        assert t[a + ".weight"].dtype == torch.float8_e4m3fn
+        assert t[a + ".scale"].dtype == torch.float8_e8m0fnu
+        assert t[f"{block}ffn.shared_experts.w2.scale"].dtype == torch.float8_e8m0fnu
 
 
 def test_mtp_block_names(ckpts) -> None:
@@ -330,13 +360,9 @@ def test_convert_to_full_nvfp4(ckpts, tmp_path, fmt: str) -> None:
     e = "layers.1.ffn.experts.2.w3"
     assert torch.equal(got[e + ".weight"], ref[e + ".weight"])
     torch.testing.assert_close(read_linear(dst, e), read_linear(src, e), rtol=1e-6, atol=0)
-    if fmt == "nvidia-mixed":  # the MTP experts were NVFP4 already
-        m = "mtp.0.ffn.experts.4.w1.weight"
-        assert torch.equal(got[m], _tensors(ckpts[fmt])[m])
-    # re-quantized projections stay close to their source (NVFP4 error)
-    requantized = ["layers.0.attn.wq_b", "mtp.0.h_proj"]
-    if fmt == "ct-nvfp4-fp8":
-        requantized.append("mtp.0.ffn.experts.0.w2")  # BF16 in the source
+    # re-quantized projections stay close to their source (NVFP4 error); the MTP block's experts
+    # are MXFP4 (nvidia-mixed) or BF16 (ct-nvfp4-fp8) in the source
+    requantized = ["layers.0.attn.wq_b", "mtp.0.h_proj", "mtp.0.ffn.experts.0.w2"]
     for n in requantized:
         a, b = read_linear(src, n), read_linear(dst, n)
         rel = float((a - b).norm() / a.norm())

@@ -1016,7 +1016,8 @@ def test_mtp_block_methods_per_format(report: dict) -> None:
     # built by deepseek_v4_mtp.py itself (not overlaid) with the model's quant config
     assert nv[f"model.layers.{LAYERS}.e_proj"] == "ModelOptNvFp4LinearMethod"
     mixed = _case(report, "mtp:nvidia-mixed")["methods"]
-    assert mixed[f"{b}.ffn.experts"] == "CuTeDSLModelOptNvFp4FusedMoE"
+    # quantized_layers names the main layers' experts only: the MTP block's stay MXFP4
+    assert mixed[f"{b}.ffn.experts"] == "Mxfp4MoEMethod"
     assert mixed[f"{b}.attn.wo_a"] == mixed[f"model.layers.{LAYERS}.e_proj"] == "Fp8LinearMethod"
     native = _case(report, "mtp:native")["methods"]
     assert native[f"{b}.ffn.experts"] == "Mxfp4MoEMethod"

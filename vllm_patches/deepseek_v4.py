@@ -69,7 +69,11 @@ from .utils import (
 
 from cutedsl.vllm.checks import checked_construction, checked_load  # CuTeDSL NVFP4 hooks
 from cutedsl.vllm.names import HF_TO_NATIVE_REGEX, expert_mappings
-from cutedsl.vllm.quant import dsv4_quant_config, nvfp4_moe_method_for_fp8_config
+from cutedsl.vllm.quant import (  # CuTeDSL NVFP4 hooks
+    dsv4_quant_config,
+    is_nvfp4_experts,
+    nvfp4_moe_method_for_fp8_config,
+)
 from cutedsl.vllm.shared_mlp import shared_mlp_method
 
 _DEEPSEEK_V4_EXPERT_DTYPES = ("fp4", "fp8")
@@ -153,6 +157,7 @@ class DeepseekV4FP8Config(Fp8Config):
         super().__init__(*args, **kwargs)
         self._resolved_expert_dtype: str | None = None
         self.moe_quant_algo: str | None = None  # "NVFP4": NVIDIA's mixed checkpoints
+        self.quantized_layers: dict | None = None  # their NVFP4 experts (MTP's stay MXFP4)
         # ``is_scale_e8m0`` is a property that resolves on first read,
         # by which time the current vllm_config has been set.
 
@@ -193,6 +198,7 @@ class DeepseekV4FP8Config(Fp8Config):
     def from_config(cls, config: dict) -> "DeepseekV4FP8Config":
         quant_config = super().from_config(config)
         quant_config.moe_quant_algo = config.get("moe_quant_algo")
+        quant_config.quantized_layers = config.get("quantized_layers")
         return quant_config
 
     @classmethod
@@ -217,7 +223,9 @@ class DeepseekV4FP8Config(Fp8Config):
                 fused_mapping=self.packed_modules_mapping,
             ):
                 return UnquantizedFusedMoEMethod(layer.moe_config)
-            if self.moe_quant_algo == "NVFP4":
+            if self.moe_quant_algo == "NVFP4" and is_nvfp4_experts(
+                prefix, self.quantized_layers
+            ):
                 return nvfp4_moe_method_for_fp8_config(layer)
             if self.expert_dtype == "fp4":
                 return Mxfp4MoEMethod(layer.moe_config)

@@ -6,9 +6,10 @@ Formats (how each quantizable projection is stored; everything else is the same 
   native-fp8    FP8 block everywhere, f32 `.scale` (`expert_dtype: fp8`, V4-Flash-Base).
   nvfp4         ModelOpt NVFP4 for every quantizable projection.
   nvidia-mixed  NVIDIA ModelOpt's published DSv4 layout (nvidia/DeepSeek-V4-Flash-NVFP4, -Pro-NVFP4):
-                DeepSeek's native checkpoint with every routed expert (MTP block included) in
-                ModelOpt NVFP4, config.json `quantization_config` = DeepSeek's FP8 block config +
-                `moe_quant_algo: NVFP4`, and an `hf_quant_config.json` manifest.
+                DeepSeek's native checkpoint with the main layers' routed experts in ModelOpt
+                NVFP4 (the MTP block's stay MXFP4), config.json `quantization_config` = DeepSeek's
+                FP8 block config + `moe_quant_algo: NVFP4` and ModelOpt's keys (`quantized_layers`,
+                `ignore`), and an `hf_quant_config.json` manifest.
   ct-nvfp4-fp8  compressed-tensors (RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 recipe): routed experts
                 `nvfp4-pack-quantized` (`weight_packed`, `weight_scale`, `weight_global_scale`,
                 `input_global_scale`; global scales are divisors, 1 / ModelOpt's), attention
@@ -52,7 +53,7 @@ __all__ = [
     "expected_tensors",
     "quantization_config",
     "hf_quant_config",
-    "NVIDIA_EXCLUDE_MODULES",
+    "NVIDIA_IGNORE",
     "make_config_like",
     "detect_format",
 ]
@@ -417,8 +418,10 @@ def storage_of(spec: Spec, fmt: str) -> str:
         return "fp8_f32"
     if fmt == "nvfp4":
         return "nvfp4"
-    if fmt == "nvidia-mixed":
-        return "nvfp4" if spec.role == "expert" else "fp8"
+    if fmt == "nvidia-mixed":  # the MTP block's experts stay MXFP4, as DeepSeek ships them
+        if spec.role == "expert":
+            return "mxfp4" if spec.name.startswith("mtp.") else "nvfp4"
+        return "fp8"
     if fmt == "ct-nvfp4-fp8":
         if spec.name.startswith("mtp."):
             return "bf16"
@@ -539,8 +542,25 @@ def quantization_config(cfg: dict, fmt: str) -> dict | None:
         }
     if fmt == "nvidia-mixed":
         # Model-Optimizer examples/deepseek/deepseek_v4/quantize_to_nvfp4.py
-        # `_rewrite_config_json`: the source (DeepSeek) FP8 config plus moe_quant_algo.
-        return {**fp8, "moe_quant_algo": "NVFP4"}
+        # `_rewrite_config_json`: the source (DeepSeek) FP8 config plus ModelOpt's keys; the
+        # main layers' routed experts are NVFP4 (`quantized_layers`), the MTP block stays native.
+        return {
+            **fp8,
+            "quant_algo": "MIXED_PRECISION",
+            "moe_quant_algo": "NVFP4",
+            "group_size": 16,
+            "kv_cache_quant_algo": None,
+            "producer": dict(NVIDIA_PRODUCER),
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": _NVFP4_ARGS,
+                    "input_activations": _NVFP4_ARGS,
+                }
+            },  # fmt: skip
+            "quantized_layers": _nvidia_quantized_layers(cfg),
+            "ignore": list(NVIDIA_IGNORE),
+        }
     if fmt == "ct-nvfp4-fp8":
         return _ct_quantization_config()
     if fmt == "bf16":
@@ -608,41 +628,38 @@ def _ct_quantization_config() -> dict:
     }
 
 
-# Model-Optimizer examples/deepseek/deepseek_v4/quantize_to_nvfp4.py `_write_index_and_manifest`.
-NVIDIA_EXCLUDE_MODULES = [
-    "*.attn.*", "*.attn_norm.*",
-    "*.ffn.shared_experts.*", "*.ffn.gate.*",
-    "*.ffn_norm.*",
-    "embed.weight", "head.weight",
-    "*.hc_*",
-    "*.h_proj.*", "*.e_proj.*",
-    "*.enorm.*", "*.hnorm.*",
-    "mtp.*.norm.*", "norm.weight",
-]  # fmt: skip
+# Model-Optimizer examples/deepseek/deepseek_v4/quantize_to_nvfp4.py (`_build_hf_quant_config`,
+# `_rewrite_config_json`): what nvidia/DeepSeek-V4-Flash-NVFP4 and -Pro-NVFP4 publish.
+NVIDIA_PRODUCER = {"name": "modelopt", "version": "dsv4-nvfp4-experts"}
+NVIDIA_IGNORE = ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]
+_NVFP4_ARGS = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
+
+
+def _nvidia_quantized_layers(cfg: dict) -> dict[str, dict]:
+    """ModelOpt's `quantized_layers`: one `layers.L.ffn.experts` entry per main decoder layer."""
+    return {
+        f"layers.{i}.ffn.experts": {"quant_algo": "NVFP4", "group_size": 16}
+        for i in range(cfg["num_hidden_layers"])
+    }
 
 
 def hf_quant_config(cfg: dict, fmt: str) -> dict | None:
     """The `hf_quant_config.json` a format ships beside config.json (None: no such file).
 
-    nvidia-mixed: ModelOpt's manifest; `quantized_layers` lists every NVFP4 expert projection
-    (`layers.L.ffn.experts.E.wX`, `mtp.i.ffn.experts.E.wX`). vLLM 0.21.0 reads this file only
-    when config.json has no quantization_config (transformers_utils/config.py), so it is
-    informational for these checkpoints."""
+    nvidia-mixed: ModelOpt's manifest, the same `quantized_layers` as config.json and its `ignore`
+    list as `exclude_modules`. vLLM 0.21.0 reads this file only when config.json has no
+    quantization_config (transformers_utils/config.py), so it is informational for these
+    checkpoints."""
     if fmt != "nvidia-mixed":
         return None
-    layers = sorted(
-        s.name
-        for s in tensor_specs(cfg, mtp=True)
-        if s.kind == "linear" and storage_of(s, fmt) == "nvfp4"
-    )
     return {
-        "producer": {"name": "modelopt", "version": "dsv4-nvfp4-experts"},
+        "producer": dict(NVIDIA_PRODUCER),
         "quantization": {
             "quant_algo": "MIXED_PRECISION",
             "kv_cache_quant_algo": None,
             "group_size": 16,
-            "quantized_layers": {n: {"quant_algo": "NVFP4", "group_size": 16} for n in layers},
-            "exclude_modules": list(NVIDIA_EXCLUDE_MODULES),
+            "quantized_layers": _nvidia_quantized_layers(cfg),
+            "exclude_modules": list(NVIDIA_IGNORE),
         },
     }
 

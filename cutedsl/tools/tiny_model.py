@@ -14,9 +14,10 @@ Formats (what each quantizable projection is stored as; everything else is ident
                 wo_b, indexer.wq_b, shared expert, routed experts): `.weight` uint8 [N, K/2],
                 `.weight_scale` e4m3 [N, K/16], `.weight_scale_2` f32 [], `.input_scale` f32 [].
   nvidia-mixed  NVIDIA ModelOpt's published layout (nvidia/DeepSeek-V4-Flash-NVFP4, -Pro-NVFP4):
-                native, with every routed expert (MTP block's too) ModelOpt NVFP4; config.json
-                `quantization_config` = DeepSeek's FP8 config + `moe_quant_algo: NVFP4`, plus
-                ModelOpt's `hf_quant_config.json` manifest (MIXED_PRECISION, quantized_layers).
+                native, with the main layers' routed experts ModelOpt NVFP4 (the MTP block's
+                stay MXFP4); config.json `quantization_config` = DeepSeek's FP8 config +
+                `moe_quant_algo: NVFP4`, `quant_algo: MIXED_PRECISION`, `quantized_layers` (one
+                `layers.L.ffn.experts` each) and `ignore`, plus ModelOpt's `hf_quant_config.json`.
   ct-nvfp4-fp8  compressed-tensors, RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8's recipe: routed experts
                 nvfp4-pack-quantized (`weight_packed` u8, `weight_scale` e4m3, `weight_global_scale`
                 and `input_global_scale` f32 = 1 / ModelOpt's weight_scale_2 / input_scale),

@@ -7,8 +7,9 @@
   auto`). These two attributes are ModelOptQuantConfigBase's own override points;
   `get_quant_method` stays upstream's, so `ignore` / `exclude_modules` work unchanged.
 - NVIDIA's mixed checkpoints (`quant_method: fp8` + `moe_quant_algo: NVFP4`) resolve to
-  `DeepseekV4FP8Config`; its routed experts get `nvfp4_moe_method_for_fp8_config` (FP8 block
-  linears everywhere else, upstream).
+  `DeepseekV4FP8Config`; the routed experts its `quantized_layers` names (all of them where the
+  config has no such list) get `nvfp4_moe_method_for_fp8_config`; the rest keep upstream's methods
+  (the MTP block's MXFP4 experts, FP8 block linears everywhere else).
 - compressed-tensors checkpoints (RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 and its MTP variant) get
   `cutedsl.vllm.ct.dsv4_ct_config`: the same split as NVIDIA's mixed ones (NVFP4 routed experts
   ours, FP8 block linears upstream's), each layer's scheme read from the checkpoint's own
@@ -58,3 +59,13 @@ def nvfp4_moe_method_for_fp8_config(layer: FusedMoE) -> QuantizeMethodBase:
     """Routed experts of a `quant_method: fp8, moe_quant_algo: NVFP4` checkpoint: per expert
     `weight` u8, `weight_scale` e4m3 (blocks of 16), `weight_scale_2`, `input_scale` f32."""
     return nvfp4_moe_method(_nvfp4_experts_config(), layer.moe_config)
+
+
+def is_nvfp4_experts(prefix: str, quantized_layers: dict | None) -> bool:
+    """Whether the FusedMoE at vLLM `prefix` (`model.layers.3.ffn.experts`) holds NVFP4 experts in
+    a checkpoint whose config lists them in ModelOpt's `quantized_layers` (`layers.3.ffn.experts`;
+    the MTP block, `model.layers.{L}.mtp_block.ffn.experts`, is never listed). No list: every
+    routed expert is NVFP4."""
+    if quantized_layers is None:
+        return True
+    return prefix.removeprefix("model.") in quantized_layers
