@@ -6,8 +6,8 @@
 SRC: a DSv4 checkpoint in one of the layouts `cutedsl.tools.tiny_model` knows (and DeepSeek,
 NVIDIA and Red Hat ship): native (FP8 block + e8m0 scales, MXFP4 experts), native-fp8 (FP8 block
 + f32 scales everywhere, `expert_dtype: fp8`), nvidia-mixed (ModelOpt NVFP4 experts in the main
-layers, MXFP4 MTP experts, FP8 rest), ct-nvfp4-fp8 (compressed-tensors NVFP4 experts, FP8 block attention, BF16 rest) or bf16; native or
-HF tensor names; with or without its `mtp.*` block. DST: the same model with every quantizable projection (fused_wqa_wkv pair,
+layers, MXFP4 MTP experts, FP8 rest), ct-nvfp4-fp8 (compressed-tensors NVFP4 experts, FP8 block
+attention, BF16 rest) or bf16; native or HF tensor names; with or without its `mtp.*` block. DST: the same model with every quantizable projection (fused_wqa_wkv pair,
 wq_b, wo_a, wo_b, indexer.wq_b, shared expert, routed experts) in ModelOpt NVFP4
 (`.weight` uint8 [N, K/2], `.weight_scale` e4m3 [N, K/16], `.weight_scale_2` f32 [],
 `.input_scale` f32 []), fused pairs (wq_a+wkv, w1+w3) sharing one global scale, everything else

@@ -554,10 +554,10 @@ def quantization_config(cfg: dict, fmt: str) -> dict | None:
             "config_groups": {
                 "group_0": {
                     "targets": ["Linear"],
-                    "weights": _NVFP4_ARGS,
-                    "input_activations": _NVFP4_ARGS,
+                    "weights": dict(_NVFP4_ARGS),
+                    "input_activations": dict(_NVFP4_ARGS),
                 }
-            },  # fmt: skip
+            },
             "quantized_layers": _nvidia_quantized_layers(cfg),
             "ignore": list(NVIDIA_IGNORE),
         }
