@@ -63,9 +63,7 @@ RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 and its MTP variant (format `ct-nvfp4-fp8`)
     (input_activations None, "matches RedHat"), format float-quantized; group_1 targets
     `re:.*ffn\\.experts\\.\\d+\\.(gate_proj|up_proj|down_proj)$` NVFP4 tensor_group 16, input
     activations dynamic "local", format nvfp4-pack-quantized; ignore lm_head, embed_tokens, norms,
-    router gate, q_norm, k_norm, `re:.*mtp\\..*`. So indexer.wq_b, the compressors and the shared
-    experts stay BF16 (a pasta-paul/dsv4-flash-w4a16-fp8 note also says Red Hat's shared experts
-    are BF16; llm-compressor's example targets them with NVFP4: conflicting, BF16 chosen here).
+    router gate, q_norm, k_norm, `re:.*mtp\\..*` (that recipe's own targets, not Red Hat's: below).
     Its scripts: squeeze_global_scales.py (llm-compressor writes weight_global_scale and
     input_global_scale as shape (1,); the published MTP variant squeezes them to 0-d),
     convert_attn_scales_for_vllm.py ("llm-compressor's FP8_BLOCK preset saves attn .weight_scale
@@ -78,9 +76,21 @@ RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 and its MTP variant (format `ct-nvfp4-fp8`)
   - Global scales are divisors: vLLM 0.21.0 compressed_tensors/schemes/
     compressed_tensors_w4a4_nvfp4.py process_weights_after_loading takes 1 / weight_global_scale
     and 1 / input_global_scale ("CT stores as divisors").
-  - NOT found: Red Hat's published config.json and index. Unverified: the exact config_groups
-    strings (Red Hat's may name vLLM's fused modules), the attention scale dtype (BF16 assumed),
-    the global-scale shape ((1,) or 0-d; both are read), whether shared experts are BF16.
+  - Red Hat's config_groups targets, quoted by three independent third-party readers of its
+    config.json: `re:.*attn.*(fused_wqa_wkv|wq_b|wo_a|wo_b)$` (FP8 block) and
+    `re:.*ffn.*(gate|up|down)_proj$` (NVFP4): a canada-quant comparison table of its config
+    against "RedHat NVFP4-FP8 reference" (group 0 / group 1 target regex rows), an SGLang
+    bring-up note (compressed-tensors matching fails on SGLang's `wqkv_a`: "RedHatAI/DeepSeek-V4-
+    Flash-NVFP4-FP8 — target fused_wqa_wkv"; no hf_quant_config.json), and ai-dynamo
+    aiconfigurator's test of `_infer_quant_modes_from_raw_config` on that raw config. These
+    name vLLM's modules: upstream vLLM (which serves the checkpoint on Blackwell) matches
+    `model.layers.L.attn.fused_wqa_wkv`, `.attn.wq_b`, `.attn.indexer.wq_b`, `.attn.wo_a`,
+    `.attn.wo_b` as FP8 and `.ffn.shared_experts.gate_up_proj` / `.down_proj` plus every routed
+    expert's as NVFP4, so those parameters (and the checkpoint's tensors they load) are FP8 /
+    NVFP4: indexer.wq_b FP8, shared experts NVFP4 (a pasta-paul/dsv4-flash-w4a16-fp8 note that
+    calls them BF16 contradicts the targets; the targets decide what vLLM loads).
+  - NOT found: Red Hat's published index file. Unverified: the attention scale dtype (BF16
+    assumed), the group_0 input activations (None written, as the recipe above).
 
 MTP block (`num_nextn_predict_layers` >= 1)
   - DeepSeek's inference/model.py `MTPBlock(Block)` (vendored verbatim in
@@ -260,6 +270,9 @@ def test_ct_config_groups(ckpts) -> None:
     assert g1["format"] == "nvfp4-pack-quantized"
     assert (g1["weights"]["num_bits"], g1["weights"]["group_size"]) == (4, 16)
     assert g1["input_activations"]["dynamic"] == "local"
+    # Red Hat's targets name vLLM's modules (fused_wqa_wkv) and match the shared experts too
+    assert g0["targets"] == ["re:.*attn.*(fused_wqa_wkv|wq_b|wo_a|wo_b)$"]
+    assert g1["targets"] == ["re:.*ffn.*(gate|up|down)_proj$"]
     assert r"re:.*mtp\..*" in qc["ignore"]
     assert "scale_fmt" not in qc  # Red Hat's config has none (pristine vLLM: KeyError)
     assert detect_format({"quantization_config": qc}) == "ct-nvfp4-fp8"
@@ -276,8 +289,8 @@ def test_ct_tensors_and_inverse_global_scale(ckpts) -> None:
     e = "layers.0.ffn.experts.3.w1."
     assert _meta(ct[e + "weight_packed"]) == ([I, H // 2], torch.uint8)
     assert _meta(ct[e + "weight_scale"]) == ([I, H // 16], torch.float8_e4m3fn)
-    assert _meta(ct[e + "weight_global_scale"]) == ([], torch.float32)
-    assert _meta(ct[e + "input_global_scale"]) == ([], torch.float32)
+    assert _meta(ct[e + "weight_global_scale"]) == ([1], torch.float32)
+    assert _meta(ct[e + "input_global_scale"]) == ([1], torch.float32)
     assert e + "weight" not in ct and e + "weight_scale_2" not in ct
     assert torch.equal(ct[e + "weight_packed"], mo[e + "weight"])
     assert torch.equal(
@@ -287,13 +300,20 @@ def test_ct_tensors_and_inverse_global_scale(ckpts) -> None:
     assert abs(prod - 1.0) < 1e-6, prod
     prod = float(ct[e + "input_global_scale"].double() * mo[e + "input_scale"].double())
     assert abs(prod - 1.0) < 1e-6, prod
-    # attention: FP8 block weight + BF16 block scale; indexer.wq_b, shared experts: BF16
-    a = "layers.1.attn.wo_a."
-    n, k = ct[a + "weight"].shape
-    assert ct[a + "weight"].dtype == torch.float8_e4m3fn
-    assert _meta(ct[a + "weight_scale"]) == ([-(-n // 128), -(-k // 128)], torch.bfloat16)
-    assert ct["layers.1.attn.indexer.wq_b.weight"].dtype == torch.bfloat16
-    assert ct["layers.1.ffn.shared_experts.w1.weight"].dtype == torch.bfloat16
+    # attention and indexer.wq_b: FP8 block weight + BF16 block scale
+    for a in ("layers.1.attn.wo_a.", "layers.1.attn.indexer.wq_b."):
+        n, k = ct[a + "weight"].shape
+        assert ct[a + "weight"].dtype == torch.float8_e4m3fn, a
+        assert _meta(ct[a + "weight_scale"]) == ([-(-n // 128), -(-k // 128)], torch.bfloat16), a
+    # shared experts: NVFP4 like the routed ones, ModelOpt's codes
+    for se in ("layers.1.ffn.shared_experts.w1.", "layers.1.ffn.shared_experts.w2."):
+        assert se + "weight" not in ct, se
+        assert torch.equal(ct[se + "weight_packed"], mo[se + "weight"]), se
+        assert _meta(ct[se + "weight_global_scale"]) == ([1], torch.float32), se
+    # the rest of the attention block and the router: BF16
+    for b in ("layers.1.attn.indexer.weights_proj.weight", "layers.1.attn.compressor.wkv.weight",
+              "layers.1.ffn.gate.weight"):  # fmt: skip
+        assert ct[b].dtype == torch.bfloat16, b
     # the MTP block: all BF16, no quantization tensor (canada-quant's "Option Y" invariant)
     mtp = {n: v for n, v in ct.items() if n.startswith("mtp.")}
     quant_leaves = (".weight_scale", ".weight_packed", ".scale", "_global_scale", ".input_scale")
@@ -315,8 +335,9 @@ def test_ct_dequantizes_to_the_same_weights_as_modelopt(ckpts) -> None:
     torch.testing.assert_close(a, ref, rtol=1e-6, atol=0)
 
 
-def test_ct_global_scale_of_shape_one_is_read(ckpts, tmp_path) -> None:
-    """llm-compressor writes (1,)-shaped global scales (canada-quant squeeze_global_scales.py)."""
+def test_ct_global_scale_of_shape_zero_d_is_read(ckpts, tmp_path) -> None:
+    """llm-compressor writes (1,)-shaped global scales; canada-quant's MTP variant squeezes them
+    to 0-d (squeeze_global_scales.py): both read the same."""
     import shutil
 
     from safetensors.torch import save_file
@@ -329,7 +350,7 @@ def test_ct_global_scale_of_shape_one_is_read(ckpts, tmp_path) -> None:
         with safe_open(str(src / fn), "pt") as f:
             for k in f.keys():
                 v = f.get_tensor(k)
-                t[k] = v.reshape(1) if k.endswith("_global_scale") else v
+                t[k] = v.reshape(()) if k.endswith("_global_scale") else v
         save_file(t, str(src / fn), metadata={"format": "pt"})
     n = "layers.0.ffn.experts.1.w3"
     torch.testing.assert_close(

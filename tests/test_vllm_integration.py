@@ -291,7 +291,6 @@ def _numerics(model, ck: dict, cfg: dict) -> dict:
         cfg["o_groups"],
         cfg["o_lora_rank"],
     )
-    L = cfg["swiglu_limit"]
     res: dict[str, float] = {}
     layers = model.model.layers
 
@@ -328,16 +327,25 @@ def _numerics(model, ck: dict, cfg: dict) -> dict:
         z, torch.einsum("tgd,grd->tgr", o.float().view(T, G, -1), wa)
     )
 
-    # Shared expert (clamped SwiGLU), through DeepseekV4MLP.forward -> our fused runner.
-    xs = (8 * torch.randn(9, H, generator=g)).bfloat16()  # |gate|, |up| often > 10: clamp bites
-    se = "layers.0.ffn.shared_experts"
-    sw = [deq(f"{se}.{n}") for n in ("w1", "w3", "w2")]
-    ys = layers[0].ffn.shared_experts(xs)
-    res["shared_mlp"] = _rel(ys, _mlp_ref(xs, *sw, L))
-    res["shared_mlp_vs_unclamped"] = _rel(ys, _mlp_ref(xs, *sw, None))
+    res.update(_shared_mlp_numerics(model, ck, cfg, g))
     res.update(_moe_numerics(model, ck, cfg))
 
     return res
+
+
+def _shared_mlp_numerics(model, ck: dict, cfg: dict, g) -> dict:
+    """The shared expert (clamped SwiGLU), through DeepseekV4MLP.forward -> our fused runner."""
+    import torch
+
+    deq, H, L = _deq(ck), cfg["hidden_size"], cfg["swiglu_limit"]
+    xs = (8 * torch.randn(9, H, generator=g)).bfloat16()  # |gate|, |up| often > 10: clamp bites
+    se = "layers.0.ffn.shared_experts"
+    sw = [deq(f"{se}.{n}") for n in ("w1", "w3", "w2")]
+    ys = model.model.layers[0].ffn.shared_experts(xs)
+    return {
+        "shared_mlp": _rel(ys, _mlp_ref(xs, *sw, L)),
+        "shared_mlp_vs_unclamped": _rel(ys, _mlp_ref(xs, *sw, None)),
+    }
 
 
 # Tensors the broken-checkpoint variants drop or reshape.
@@ -432,8 +440,11 @@ def _ct_fp8_scales_exact(model, ck: dict) -> dict:
     for li in range(LAYERS):
         a = model.model.layers[li].attn
         for mod, parts in (("fused_wqa_wkv", ("wq_a", "wkv")), ("wq_b", ("wq_b",)),
-                           ("wo_a", ("wo_a",)), ("wo_b", ("wo_b",))):  # fmt: skip
-            got = getattr(a, mod).weight_scale_inv.data.float()
+                           ("wo_a", ("wo_a",)), ("wo_b", ("wo_b",)),
+                           ("indexer.wq_b", ("indexer.wq_b",))):  # fmt: skip
+            if mod.startswith("indexer.") and getattr(a, "indexer", None) is None:
+                continue  # only the C4 layers have an indexer
+            got = a.get_submodule(mod).weight_scale_inv.data.float()
             want = torch.cat([ck[f"layers.{li}.attn.{p}.weight_scale"].float() for p in parts])
             res[f"layers.{li}.attn.{mod}"] = bool(
                 got.dtype == torch.float32 and torch.equal(got, want)
@@ -611,6 +622,9 @@ def _run_case(case: str, tmp: str) -> dict:
                     rep["numerics"] = _numerics(model, ck, cfg)
                 else:
                     rep["numerics"] = _moe_numerics(model, ck, cfg)
+                if fmt == "ct-nvfp4-fp8":  # its shared experts are NVFP4 too
+                    g = torch.Generator().manual_seed(3)
+                    rep["numerics"].update(_shared_mlp_numerics(model, ck, cfg, g))
         else:
             from cutedsl.vllm.oproj import is_nvfp4_oproj
 
@@ -941,23 +955,29 @@ def test_pristine_cannot_load_nvidia_mixed(pristine_report: dict) -> None:
 
 
 def test_compressed_tensors_fp8_attention_nvfp4_experts(report: dict) -> None:
-    """Red Hat's layout served as it is: FP8 block attention upstream's (float32 block scales,
-    the checkpoint's BF16 ones exactly), NVFP4 routed experts ours, BF16 shared experts and
-    indexer unquantized; every parameter filled."""
+    """Red Hat's layout served as it is: FP8 block attention and indexer.wq_b upstream's (float32
+    block scales, the checkpoint's BF16 ones exactly), NVFP4 routed experts and shared experts
+    ours; every parameter filled."""
     rep = _case(report, "ct-nvfp4-fp8/native")
     assert rep["quant_config"] == "CompressedTensorsConfig"
     assert rep["dispatch_config"] == "CompressedTensorsDsv4Config"
     m, p = rep["methods"], rep["params"]
+    ours = "CuTeDSLNvFp4LinearMethod/CuTeDSLNvFp4LinearKernel"
     for li in range(LAYERS):
         a, f = f"model.layers.{li}.attn", f"model.layers.{li}.ffn"
         for lin in ("fused_wqa_wkv", "wq_b", "wo_a", "wo_b"):
             assert m[f"{a}.{lin}"].startswith("Fp8LinearMethod"), (lin, m[f"{a}.{lin}"])
             assert p[f"{a}.{lin}.weight"][0] == "float8_e4m3fn"
             assert p[f"{a}.{lin}.weight_scale_inv"][0] == "float32"
-        assert m[f"{f}.shared_experts.gate_up_proj"] == "UnquantizedLinearMethod"
+        assert m[f"{f}.shared_experts"] == "CuTeDSLSharedMlpMethod"
+        for lin in ("gate_up_proj", "down_proj"):
+            assert m[f"{f}.shared_experts.{lin}"] == ours, (lin, m[f"{f}.shared_experts.{lin}"])
+            _nvfp4_linear(p, f"{f}.shared_experts.{lin}")
         assert m[f"{f}.experts"] == "CuTeDSLModelOptNvFp4FusedMoE"
         assert p[f"{f}.experts.w13_weight_scale"][0] == "float8_e4m3fn"
-    assert m["model.layers.1.attn.indexer.wq_b"] == "UnquantizedLinearMethod"
+    assert m["model.layers.1.attn.indexer.wq_b"].startswith("Fp8LinearMethod")
+    assert m["model.layers.1.attn.indexer.weights_proj"] == "UnquantizedLinearMethod"
+    assert "layers.1.attn.indexer.wq_b" in rep["fp8_scales_exact"]
     assert rep["fp8_scales_exact"] and all(rep["fp8_scales_exact"].values()), rep[
         "fp8_scales_exact"
     ]
@@ -993,6 +1013,7 @@ def test_compressed_tensors_experts_match_dequantized_math(report: dict) -> None
     for li in (0, 2):
         assert n[f"moe_layer{li}"] < 2e-2 and n[f"moe_layer{li}_nan"] == 0, n
         assert n[f"moe_layer{li}_vs_unclamped"] > 0.1, n  # the clamp bites: the check can fail
+    assert n["shared_mlp"] < 2e-2 and n["shared_mlp_vs_unclamped"] > 0.1, n
 
 
 @pytest.mark.parametrize("case", MTP_CASES)

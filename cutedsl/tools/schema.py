@@ -10,11 +10,12 @@ Formats (how each quantizable projection is stored; everything else is the same 
                 NVFP4 (the MTP block's stay MXFP4), config.json `quantization_config` = DeepSeek's
                 FP8 block config + `moe_quant_algo: NVFP4` and ModelOpt's keys (`quantized_layers`,
                 `ignore`), and an `hf_quant_config.json` manifest.
-  ct-nvfp4-fp8  compressed-tensors (RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 recipe): routed experts
-                `nvfp4-pack-quantized` (`weight_packed`, `weight_scale`, `weight_global_scale`,
-                `input_global_scale`; global scales are divisors, 1 / ModelOpt's), attention
-                wq_a/wkv/wq_b/wo_a/wo_b FP8 block 128 (`weight` e4m3 + BF16 `weight_scale`), the rest
-                BF16; an MTP block (the canada-quant variant) is BF16.
+  ct-nvfp4-fp8  compressed-tensors (RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8): routed and shared
+                experts `nvfp4-pack-quantized` (`weight_packed`, `weight_scale`,
+                `weight_global_scale`, `input_global_scale` of shape (1,); global scales are
+                divisors, 1 / ModelOpt's), attention wq_a/wkv/wq_b/wo_a/wo_b and indexer.wq_b FP8
+                block 128 (`weight` e4m3 + BF16 `weight_scale`), the rest BF16; an MTP block (the
+                canada-quant variant) is BF16.
   bf16          every weight BF16, no quantization_config.
 
 MTP: with `num_nextn_predict_layers` = n >= 1 a checkpoint also holds `mtp.{0..n-1}.*`: one decoder
@@ -422,13 +423,12 @@ def storage_of(spec: Spec, fmt: str) -> str:
         if spec.role == "expert":
             return "mxfp4" if spec.name.startswith("mtp.") else "nvfp4"
         return "fp8"
-    if fmt == "ct-nvfp4-fp8":
+    if fmt == "ct-nvfp4-fp8":  # the config groups' targets, matched against vLLM's modules
         if spec.name.startswith("mtp."):
             return "bf16"
-        if spec.role == "expert":
+        if spec.role in ("expert", "shared"):  # `re:.*ffn.*(gate|up|down)_proj$`
             return "ct_nvfp4"
-        # wq_a, wkv, wq_b, wo_a, wo_b (the recipe's `attn\.(wq_a|...)$` misses indexer.wq_b)
-        if spec.role == "attn" and ".indexer." not in spec.name:
+        if spec.role == "attn":  # `re:.*attn.*(fused_wqa_wkv|wq_b|wo_a|wo_b)$`: indexer.wq_b too
             return "ct_fp8"
         return "bf16"
     if fmt == "bf16":
@@ -478,8 +478,8 @@ def linear_tensors(name: str, shape: tuple[int, ...], storage: str) -> dict[str,
         return {
             f"{name}.weight_packed": ((n, k // 2), torch.uint8),
             f"{name}.weight_scale": ((n, k // 16), torch.float8_e4m3fn),
-            f"{name}.weight_global_scale": ((), torch.float32),
-            f"{name}.input_global_scale": ((), torch.float32),
+            f"{name}.weight_global_scale": ((1,), torch.float32),
+            f"{name}.input_global_scale": ((1,), torch.float32),
         }
     if storage == "ct_fp8":
         return {
@@ -588,9 +588,8 @@ def _ct_args(num_bits: int, strategy: str, **kw) -> dict:
 
 
 def _ct_quantization_config() -> dict:
-    """compressed-tensors `quantization_config` of the NVFP4-experts + FP8-block-attention recipe
-    (canada-quant/dsv4-flash-nvfp4-fp8-mtp docs/recipes/nvfp4_fp8_mtp_replication.md section 5,
-    stated there to match RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8)."""
+    """compressed-tensors `quantization_config` of RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 (its
+    config groups' targets name vLLM's modules; sources: tests/test_checkpoint_layouts.py)."""
     nvfp4 = _ct_args(4, "tensor_group", group_size=16)
     return {
         "quant_method": "compressed-tensors",
@@ -598,14 +597,14 @@ def _ct_quantization_config() -> dict:
         "quantization_status": "compressed",
         "config_groups": {
             "group_0": {
-                "targets": [r"re:.*attn\.(wq_a|wq_b|wkv|wo_a|wo_b)$"],
+                "targets": ["re:.*attn.*(fused_wqa_wkv|wq_b|wo_a|wo_b)$"],
                 "weights": _ct_args(8, "block", block_structure=[128, 128]),
                 "input_activations": None,
                 "output_activations": None,
                 "format": "float-quantized",
             },
             "group_1": {
-                "targets": [r"re:.*ffn\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"],
+                "targets": ["re:.*ffn.*(gate|up|down)_proj$"],
                 "weights": nvfp4,
                 "input_activations": {**nvfp4, "dynamic": "local"},
                 "output_activations": None,

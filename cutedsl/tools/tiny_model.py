@@ -18,11 +18,11 @@ Formats (what each quantizable projection is stored as; everything else is ident
                 stay MXFP4); config.json `quantization_config` = DeepSeek's FP8 config +
                 `moe_quant_algo: NVFP4`, `quant_algo: MIXED_PRECISION`, `quantized_layers` (one
                 `layers.L.ffn.experts` each) and `ignore`, plus ModelOpt's `hf_quant_config.json`.
-  ct-nvfp4-fp8  compressed-tensors, RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8's recipe: routed experts
+  ct-nvfp4-fp8  compressed-tensors, RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8: routed and shared experts
                 nvfp4-pack-quantized (`weight_packed` u8, `weight_scale` e4m3, `weight_global_scale`
-                and `input_global_scale` f32 = 1 / ModelOpt's weight_scale_2 / input_scale),
-                wq_a/wkv/wq_b/wo_a/wo_b FP8 block (`weight` e4m3 + `weight_scale` BF16
-                [N/128, K/128]), the rest BF16; an MTP block stays BF16 (canada-quant's variant).
+                and `input_global_scale` f32 [1] = 1 / ModelOpt's weight_scale_2 / input_scale),
+                wq_a/wkv/wq_b/wo_a/wo_b and indexer.wq_b FP8 block (`weight` e4m3 + `weight_scale`
+                BF16 [N/128, K/128]), the rest BF16; an MTP block stays BF16 (canada-quant's variant).
   bf16          every weight BF16, no quantization_config (HF / converter input; pristine vLLM
                 0.21.0 cannot load it: DeepseekV4Attention reads quantization_config["scale_fmt"]).
 MTP: `--config '{"num_nextn_predict_layers": 1}'` adds the `mtp.0.*` block (a decoder block at

@@ -1,27 +1,30 @@
-"""compressed-tensors DeepSeek V4 checkpoints served as they are: NVFP4 routed experts through our
+"""compressed-tensors DeepSeek V4 checkpoints served as they are: NVFP4 experts through our
 kernels, FP8 block linears through upstream's DeepSeek V4 FP8 path, the rest unquantized.
 
 The layout is the one of RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 and its MTP variant (sources:
-tests/test_checkpoint_layouts.py): routed experts `nvfp4-pack-quantized` (`.weight_packed` U8
-[N, K/2], `.weight_scale` E4M3 [N, K/16], `.weight_global_scale` and `.input_global_scale` F32
-divisors), attention projections FP8 block 128x128 (`.weight` E4M3, `.weight_scale` BF16 or F32
-[N/128, K/128]), everything else BF16. That is NVIDIA's mixed layout with other names, so it is
-served by the same two pieces:
+tests/test_checkpoint_layouts.py): what `re:.*ffn.*(gate|up|down)_proj$` matches (the routed
+experts and the shared expert) `nvfp4-pack-quantized` (`.weight_packed` U8 [N, K/2],
+`.weight_scale` E4M3 [N, K/16], `.weight_global_scale` and `.input_global_scale` F32 divisors),
+what `re:.*attn.*(fused_wqa_wkv|wq_b|wo_a|wo_b)$` matches (indexer.wq_b too) FP8 block 128x128
+(`.weight` E4M3, `.weight_scale` BF16 or F32 [N/128, K/128]), everything else BF16. Two pieces:
 - `dsv4_ct_config(vllm_config)`: the quant config DSv4's attention and MoE blocks are built with
   (`cutedsl.vllm.quant.dsv4_quant_config`), a `DeepseekV4FP8Config` with `moe_quant_algo: NVFP4`
   and float32 block scales whose choice per layer is compressed-tensors' own matching of the
   checkpoint's config (its `ignore` list and `config_groups` targets, with DSv4's fused linears
-  matched through the checkpoint linears they load): unquantized -> upstream's unquantized
-  method, FP8 block -> upstream's `Fp8LinearMethod`, NVFP4 routed experts -> ours. Any other
-  scheme is refused at construction with one line naming the layer and config.json. A layer of
-  an MTP block (built as `model.layers.N.*`, N = num_hidden_layers + J) is also matched under
-  its checkpoint name `mtp.J.*`, which is what the recipes' `ignore` lists name.
-- `ct_tensor(name, tensor)`: each checkpoint tensor renamed while it loads (`cutedsl.vllm.checks`):
-  `.weight_packed` -> `.weight`; `.weight_global_scale` -> `.weight_scale_2` and
-  `.input_global_scale` -> `.input_scale`, each the reciprocal (compressed-tensors stores the
-  global scales as divisors: vLLM 0.21.0's compressed_tensors_w4a4_nvfp4.py takes 1 / x too), one
-  element; an FP8 block scale `.weight_scale` (not E4M3) -> `.scale`, DeepSeek's own name, which
-  upstream's weights mapper turns into `.weight_scale_inv`.
+  matched by their own name or through the checkpoint linears they load): unquantized ->
+  upstream's unquantized method, FP8 block -> upstream's `Fp8LinearMethod`, NVFP4 routed
+  experts and linears -> ours (the shared expert's two linears then run as one fused runner,
+  `cutedsl.vllm.shared_mlp`). Any other scheme is refused at construction with one line naming
+  the layer and config.json. A layer of an MTP block (built as `model.layers.N.*`,
+  N = num_hidden_layers + J) is also matched under its checkpoint name `mtp.J.*`, which is what
+  the recipes' `ignore` lists name.
+- `ct_tensor(name, tensor)`: each checkpoint tensor renamed while it loads (`cutedsl.vllm.checks`)
+  to the name ModelOpt gives it: `.weight_packed` -> `.weight`; `.weight_global_scale` ->
+  `.weight_scale_2` and `.input_global_scale` -> `.input_scale`, each the reciprocal
+  (compressed-tensors stores the global scales as divisors: vLLM 0.21.0's
+  compressed_tensors_w4a4_nvfp4.py takes 1 / x too), one element of shape (1,) or (); an FP8
+  block scale `.weight_scale` (not E4M3) -> `.scale`, DeepSeek's own name, which upstream's
+  weights mapper turns into `.weight_scale_inv`.
 Activations of the FP8 linears are quantized per token group at run time, as for DeepSeek's own
 FP8 checkpoints (the recipe's FP8 group is weight-only).
 """
@@ -45,6 +48,8 @@ from vllm.model_executor.layers.quantization.compressed_tensors.utils import (
     find_matched_target,
     should_ignore_layer,
 )
+
+from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod, nvfp4_config
 
 # DSv4's fused linears and the checkpoint linears loaded into them (DeepseekV4Model.load_weights'
 # stacked_params_mapping): compressed-tensors targets name the checkpoint's linears.
@@ -152,6 +157,8 @@ def _config_class() -> type:
                 kind = self._kind(layer, prefix)
                 if kind == UNQUANTIZED:
                     return UnquantizedLinearMethod()
+                if kind == NVFP4:  # the shared expert's (`re:.*ffn.*(gate|up|down)_proj$`)
+                    return CuTeDSLNvFp4LinearMethod(nvfp4_config())
                 if kind != FP8:
                     raise self._refuse(prefix, f"a linear {kind}")
                 return super().get_quant_method(layer, prefix)  # upstream's Fp8LinearMethod
@@ -176,8 +183,8 @@ def dsv4_ct_config(vllm_config: VllmConfig) -> QuantizationConfig:
 
 
 def ct_tensor(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """A compressed-tensors checkpoint tensor under the name (and value) the NVIDIA-mixed layout
-    gives it (module docstring); other tensors unchanged."""
+    """A compressed-tensors checkpoint tensor under the name (and value) ModelOpt's layout gives
+    it (module docstring); other tensors unchanged."""
     head, _, leaf = name.rpartition(".")
     if leaf == "weight_packed":
         return f"{head}.weight", t

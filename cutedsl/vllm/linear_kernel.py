@@ -22,6 +22,7 @@ reads the checkpoint tensors at every call: they stay.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -43,6 +44,14 @@ def max_tokens() -> int:
     from vllm.config import get_current_vllm_config
 
     return get_current_vllm_config().scheduler_config.max_num_batched_tokens
+
+
+@functools.cache
+def nvfp4_config() -> ModelOptNvFp4Config:
+    """The ModelOpt NVFP4 config (blocks of 16) of the NVFP4 layers in a checkpoint whose own
+    config is another method's (NVIDIA's mixed and compressed-tensors layouts), loaded under
+    ModelOpt's tensor names."""
+    return ModelOptNvFp4Config("NVFP4", is_checkpoint_nvfp4_serialized=True, group_size=16)
 
 
 def _head_dim() -> int:

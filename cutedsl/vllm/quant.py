@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.fused_moe import FusedMoE
@@ -33,7 +32,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
 from cutedsl.vllm.ct import dsv4_ct_config
-from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod
+from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod, nvfp4_config
 from cutedsl.vllm.moe_experts import nvfp4_moe_method
 
 
@@ -50,15 +49,10 @@ def dsv4_quant_config(vllm_config: VllmConfig) -> QuantizationConfig | None:
     return ours
 
 
-@functools.cache
-def _nvfp4_experts_config() -> ModelOptNvFp4Config:
-    return ModelOptNvFp4Config("NVFP4", is_checkpoint_nvfp4_serialized=True, group_size=16)
-
-
 def nvfp4_moe_method_for_fp8_config(layer: FusedMoE) -> QuantizeMethodBase:
     """Routed experts of a `quant_method: fp8, moe_quant_algo: NVFP4` checkpoint: per expert
     `weight` u8, `weight_scale` e4m3 (blocks of 16), `weight_scale_2`, `input_scale` f32."""
-    return nvfp4_moe_method(_nvfp4_experts_config(), layer.moe_config)
+    return nvfp4_moe_method(nvfp4_config(), layer.moe_config)
 
 
 def is_nvfp4_experts(prefix: str, quantized_layers: dict | None) -> bool:
