@@ -230,7 +230,7 @@ def test_nvidia_experts_nvfp4_mtp_experts_mxfp4_rest_native_fp8(ckpts) -> None:
     assert torch.equal(t[e + "w1.weight_scale_2"], t[e + "w3.weight_scale_2"])
     # the MTP block's experts: DeepSeek's MXFP4 (e2m1 pairs + e8m0 per 32), no global scales
     m = "mtp.0.ffn.experts.5."
-    assert _meta(t[m + "w1.weight"]) == ([I, H // 2], torch.uint8)
+    assert _meta(t[m + "w1.weight"]) == ([I, H // 2], torch.int8)  # I8, as the header read shows
     assert _meta(t[m + "w1.scale"]) == ([I, H // 32], torch.float8_e8m0fnu)
     assert _meta(t[m + "w2.scale"]) == ([H, I // 32], torch.float8_e8m0fnu)
     assert not any(k.startswith(m) and k.endswith(("_scale", "_scale_2")) for k in t)
@@ -352,6 +352,7 @@ def test_ct_global_scale_of_shape_zero_d_is_read(ckpts, tmp_path) -> None:
                 v = f.get_tensor(k)
                 t[k] = v.reshape(()) if k.endswith("_global_scale") else v
         save_file(t, str(src / fn), metadata={"format": "pt"})
+    assert validate_layout(Checkpoint(str(src)), "ct-nvfp4-fp8") == []
     n = "layers.0.ffn.experts.1.w3"
     torch.testing.assert_close(
         read_linear(Checkpoint(str(src), validate=True), n),
@@ -359,6 +360,40 @@ def test_ct_global_scale_of_shape_zero_d_is_read(ckpts, tmp_path) -> None:
         rtol=0,
         atol=0,
     )
+
+
+def test_mxfp4_expert_bytes_read_the_same_as_i8_or_u8(tmp_path) -> None:
+    """DeepSeek ships its MXFP4 expert bytes as I8 (the generator writes that); the same bytes
+    stored as U8 validate, dequantize and convert identically."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    i8, u8 = str(tmp_path / "i8"), tmp_path / "u8"
+    TM.generate(i8, "native", seed=11, overrides=MICRO, layers=LAYERS, tokenizer=False)
+    shutil.copytree(i8, u8)
+    for fn in set(json.load(open(u8 / "model.safetensors.index.json"))["weight_map"].values()):
+        with safe_open(str(u8 / fn), "pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        t = {k: v.view(torch.uint8) if v.dtype == torch.int8 else v for k, v in t.items()}
+        save_file(t, str(u8 / fn), metadata={"format": "pt"})
+    n = "layers.1.ffn.experts.4.w1"
+    assert _tensors(i8)[n + ".weight"].dtype == torch.int8
+    assert _tensors(str(u8))[n + ".weight"].dtype == torch.uint8
+    a, b = Checkpoint(i8), Checkpoint(str(u8))
+    assert validate_layout(a, "native") == validate_layout(b, "native")
+    wa = read_linear(a, n)
+    assert torch.equal(wa, read_linear(b, n)) and wa.abs().sum() > 0
+    qa, qb = str(tmp_path / "qa"), str(tmp_path / "qb")
+    Q.convert(i8, qa), Q.convert(str(u8), qb)
+    ta, tb = _tensors(qa), _tensors(qb)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert (
+            torch.equal(ta[k], tb[k])
+            if ta[k].dim() == 0
+            else torch.equal(ta[k].view(torch.uint8), tb[k].view(torch.uint8))
+        ), k
 
 
 # ---------------------------------------------------------------------------------------------

@@ -144,9 +144,9 @@ def test_tiny_native_layout_matches_research_table():
         "layers.1.ffn.gate.tid2eid": ((1024, 6), torch.int64),
         "layers.2.ffn.gate.bias": ((16,), torch.float32),
         "layers.0.ffn.shared_experts.w2.scale": ((H // 128, 2), e8),
-        "layers.0.ffn.experts.15.w1.weight": ((256, H // 2), torch.uint8),
+        "layers.0.ffn.experts.15.w1.weight": ((256, H // 2), torch.int8),  # DeepSeek's I8
         "layers.0.ffn.experts.15.w1.scale": ((256, H // 32), e8),
-        "layers.0.ffn.experts.0.w2.weight": ((H, 128), torch.uint8),
+        "layers.0.ffn.experts.0.w2.weight": ((H, 128), torch.int8),
         "layers.0.ffn.experts.0.w2.scale": ((H, 8), e8),
     }
     for n, v in want.items():

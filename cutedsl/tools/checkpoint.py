@@ -183,9 +183,9 @@ def encode_linear(
     if storage in ("fp8", "fp8_f32"):
         q, s = quantize_fp8_block(w, e8m0=storage == "fp8")
         return {f"{name}.weight": q, f"{name}.scale": s}
-    if storage == "mxfp4":
+    if storage == "mxfp4":  # the packed bytes as I8, as DeepSeek ships them
         q, s = quantize_mxfp4(w)
-        return {f"{name}.weight": q, f"{name}.scale": s}
+        return {f"{name}.weight": q.view(torch.int8), f"{name}.scale": s}
     if storage == "nvfp4":
         return encode_nvfp4(name, w, group_amax=group_amax, input_amax=input_amax)
     if storage == "ct_nvfp4":
@@ -365,8 +365,8 @@ def read_linear(ck: Checkpoint, name: str) -> torch.Tensor:
     Storage is detected from the tensors present: `.weight_scale_2` -> NVFP4; `.weight_packed` +
     `.weight_global_scale` -> compressed-tensors NVFP4 (w = e2m1 * weight_scale /
     weight_global_scale); e4m3 `.weight` + `.scale` / `.weight_scale_inv` / `.weight_scale`
-    (block shaped) -> FP8 block; uint8 `.weight` + e8m0 `.scale` -> MXFP4; a floating `.weight`
-    alone -> plain.
+    (block shaped) -> FP8 block; uint8 or int8 `.weight` + e8m0 `.scale` -> MXFP4; a floating
+    `.weight` alone -> plain.
     """
     if ck.has(f"{name}.weight_packed"):
         if not ck.has(f"{name}.weight_global_scale"):
@@ -404,8 +404,8 @@ def read_linear(ck: Checkpoint, name: str) -> torch.Tensor:
     )
     if w.dtype == torch.float8_e4m3fn and scale_name:
         return dequantize_fp8_block(w, _fp8_scale_dtype(ck.get(scale_name)))
-    if w.dtype == torch.uint8 and scale_name:
-        return dequantize_mxfp4(w, ck.get(scale_name))
+    if w.dtype in _PACKED and scale_name:
+        return dequantize_mxfp4(w.view(torch.uint8), ck.get(scale_name))
     if w.dtype in (torch.bfloat16, torch.float16, torch.float32) and scale_name is None:
         return w.float()
     raise CheckpointError(
@@ -417,6 +417,19 @@ def has_mtp_block(ck: Checkpoint) -> bool:
     """Whether the checkpoint holds any `mtp.*` tensor (published checkpoints may declare
     `num_nextn_predict_layers` and ship without the block)."""
     return any(n.startswith("mtp.") for n in ck.names())
+
+
+_PACKED = {torch.uint8, torch.int8}
+
+
+def _reads_the_same(got_shape: tuple, got_dt: torch.dtype, shape: tuple, dt: torch.dtype) -> bool:
+    """A tensor as the layout gives it, or as a published checkpoint stores the same values:
+    packed e2m1 bytes as I8 or U8 (DeepSeek ships its MXFP4 experts as I8), a one-element scale
+    of shape () or (1,) (llm-compressor writes compressed-tensors' global scales as (1,);
+    ModelOpt and squeezed copies as ())."""
+    same_dt = got_dt == dt or {got_dt, dt} == _PACKED
+    one = got_shape in ((), (1,)) and shape in ((), (1,))
+    return same_dt and (got_shape == shape or one)
 
 
 def validate_layout(ck: Checkpoint, fmt: str) -> list[str]:
@@ -441,7 +454,7 @@ def validate_layout(ck: Checkpoint, fmt: str) -> list[str]:
                 f"missing tensor {n!r} (expected {list(shape)} {dt}) in {ck.path}"
             )
         got_shape, got_dt = ck.meta(n)
-        if tuple(got_shape) != tuple(shape) or got_dt != dt:
+        if not _reads_the_same(tuple(got_shape), got_dt, tuple(shape), dt):
             raise CheckpointError(
                 f"tensor {n!r}: {list(got_shape)} {got_dt}, expected {list(shape)} {dt} "
                 f"({os.path.join(ck.path, ck.files[n])})"

@@ -462,9 +462,9 @@ def linear_tensors(name: str, shape: tuple[int, ...], storage: str) -> dict[str,
             f"{name}.weight": ((n, k), torch.float8_e4m3fn),
             f"{name}.scale": ((math.ceil(n / 128), math.ceil(k / 128)), sdt),
         }
-    if storage == "mxfp4":
+    if storage == "mxfp4":  # DeepSeek's packed bytes are I8
         return {
-            f"{name}.weight": ((n, k // 2), torch.uint8),
+            f"{name}.weight": ((n, k // 2), torch.int8),
             f"{name}.scale": ((n, k // 32), torch.float8_e8m0fnu),
         }
     if storage == "nvfp4":

@@ -8,7 +8,7 @@
 
 Formats (what each quantizable projection is stored as; everything else is identical):
   native        FP8 block-128 e4m3 + e8m0 `.scale` for attention, indexer.wq_b and shared expert;
-                MXFP4 routed experts (uint8 e2m1x2 + e8m0 `.scale` per 32), as DeepSeek ships V4-Flash.
+                MXFP4 routed experts (int8 e2m1x2 + e8m0 `.scale` per 32), as DeepSeek ships V4-Flash.
   native-fp8    FP8 block everywhere incl. experts, f32 `.scale` (`expert_dtype: fp8`, V4-Flash-Base).
   nvfp4         full ModelOpt NVFP4: every quantizable projection (fused_wqa_wkv pair, wq_b, wo_a,
                 wo_b, indexer.wq_b, shared expert, routed experts): `.weight` uint8 [N, K/2],

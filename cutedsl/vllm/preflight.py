@@ -12,10 +12,11 @@ and raises `CheckpointFault` (a ValueError, one line naming the file and the ten
       `.input_scale` F32 with one element (ModelOpt's layout; cutedsl/formats.py);
     compressed-tensors NVFP4 (`.weight_packed` U8 [N, K/2]): `.weight_scale` F8_E4M3 [N, K/16],
       `.weight_global_scale` and `.input_global_scale` F32 with one element;
-    MXFP4 (`.weight` U8 [N, K/2] + `.scale`): `.scale` F8_E8M0 [N, K/32] (DeepSeek's experts);
+    MXFP4 (`.weight` U8 or I8 [N, K/2] + `.scale`): `.scale` F8_E8M0 [N, K/32] (DeepSeek's
+      experts, I8);
     FP8 block (`.weight` F8_E4M3 [N, K]): a `.scale` / `.weight_scale_inv` / `.weight_scale`,
       [ceil(N/128), ceil(K/128)] when 2-D;
-  a U8 `.weight` with no scale at all is NVFP4 when the config says so (quant_method modelopt,
+  a U8 / I8 `.weight` with no scale at all is NVFP4 when the config says so (quant_method modelopt,
   or moe_quant_algo NVFP4 for routed experts), MXFP4 otherwise; scales without their weight
   are named too;
 - a config whose n_routed_experts disagrees with the tensors: an expert index >= n_routed_experts,
@@ -195,7 +196,7 @@ def check_scales(ts: dict[str, _Tensor], quant: dict | None) -> None:
         if leaf != "weight":
             continue
         w = ts[name]
-        if w.dtype == "U8" and len(w.shape) == 2:
+        if w.dtype in ("U8", "I8") and len(w.shape) == 2:  # packed e2m1 (DeepSeek's MXFP4: I8)
             n, kp = w.shape
             nvfp4 = any(f"{prefix}.{s}" in ts for s in _NVFP4_SCALES)
             if f"{prefix}.scale" not in ts and not nvfp4:
