@@ -306,6 +306,56 @@ def test_index_mapping_a_tensor_its_shard_lacks(pristine: Path, tmp_path: Path) 
     )
 
 
+def _drop_mtp_block(ck: Path) -> None:
+    """Red Hat's artifact: num_nextn_predict_layers 1 in config.json, no mtp.* tensor."""
+    from safetensors.torch import load_file, save_file
+
+    idx = _index(ck)
+    for shard in sorted(set(idx["weight_map"].values())):
+        ts = load_file(ck / shard)
+        save_file({k: v for k, v in ts.items() if not k.startswith("mtp.")}, ck / shard,
+                  metadata={"format": "pt"})  # fmt: skip
+    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if not k.startswith("mtp.")}
+    (ck / "model.safetensors.index.json").write_text(json.dumps(idx))
+
+
+def test_mtp_speculation_without_the_mtp_block_is_named(pristine: Path, tmp_path: Path) -> None:
+    """MTP speculative decoding of a checkpoint that declares an MTP layer but ships none of its
+    tensors: named before load, through the engine's construction hook; without speculation,
+    or with the block present, the same checks pass."""
+    from types import SimpleNamespace
+
+    from cutedsl.vllm.checks import checked_construction
+
+    def vllm_config(ck: Path, method: str | None):
+        cfg = json.loads((ck / "config.json").read_text())
+        hf = SimpleNamespace(**{k: cfg.get(k) for k in ("n_routed_experts", "quantization_config",
+                                                         "num_hidden_layers", "num_nextn_predict_layers")})  # fmt: skip
+        sc = None if method is None else SimpleNamespace(method=method, model=str(ck))
+        return SimpleNamespace(
+            model_config=SimpleNamespace(model=str(ck), hf_config=hf),
+            load_config=SimpleNamespace(load_format="auto"),
+            speculative_config=sc,
+        )
+
+    full = pristine / "nvfp4-mtp"
+    checked_construction(vllm_config(full, "mtp"))  # the block is there
+    ck = _copy(pristine, "nvfp4-mtp", tmp_path / "ck")
+    _drop_mtp_block(ck)
+    checked_construction(vllm_config(ck, None))  # no speculation: nothing needs the block
+    checked_construction(vllm_config(ck, "ngram"))
+    with pytest.raises(CheckpointFault) as e:
+        checked_construction(vllm_config(ck, "mtp"))
+    msg = str(e.value)
+    assert msg == (
+        f"{ck}: --speculative-config method mtp needs MTP block 0, and this checkpoint has no "
+        "tensor 'mtp.0.*' (its config.json declares num_nextn_predict_layers = 1); serve it "
+        "without speculative decoding, or use a checkpoint that ships its MTP block"
+    ), msg
+    with pytest.raises(CheckpointFault, match="MTP block 0"):
+        check_checkpoint(str(ck), 8, None, mtp=(LAYERS, 1))
+
+
 def test_error_while_reading_is_not_blamed_on_the_previous_tensor() -> None:
     """checked_load's note names the tensor being loaded; an error raised while the iterator
     reads the next one (e.g. a shard that cannot be opened) must not name the previous one."""

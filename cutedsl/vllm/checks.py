@@ -20,7 +20,8 @@ so any weight or buffer) is created:
     checked_construction(vllm_config)
 which runs `cutedsl.vllm.preflight.check_checkpoint` on a local checkpoint folder (safetensors
 headers only: truncated shards, an index naming a missing shard, missing or mis-typed scales, an
-expert count the tensors disagree with) and raises its one-line CheckpointFault, so that the
+expert count the tensors disagree with, and, when MTP speculative decoding is asked for with this
+checkpoint as its draft, an MTP block without tensors) and raises its one-line CheckpointFault, so that the
 engine fails before it allocates the weights and the KV cache. A model that is not a local folder
 (a Hub id: the weights download later) or another --load-format is logged and left to the load.
 """
@@ -155,9 +156,14 @@ def checked_construction(vllm_config: VllmConfig) -> None:
         logger.info("Checkpoint pre-check skipped: no safetensors files in %s", folder)
         return
     hf = vllm_config.model_config.hf_config
+    sc = vllm_config.speculative_config
+    mtp = None
+    if sc is not None and sc.method == "mtp" and str(sc.model or folder) == str(folder):
+        mtp = (int(hf.num_hidden_layers), int(getattr(hf, "num_nextn_predict_layers", 0) or 0))
     n = check_checkpoint(
         folder,
         getattr(hf, "n_routed_experts", None),
         getattr(hf, "quantization_config", None),
+        mtp,
     )
     logger.info("Checkpoint %s: %d tensors pass the pre-check (files, scales, experts)", folder, n)

@@ -21,7 +21,8 @@ and raises `CheckpointFault` (a ValueError, one line naming the file and the ten
   are named too;
 - a config whose n_routed_experts disagrees with the tensors: an expert index >= n_routed_experts,
   an expert of range(n_routed_experts) with no tensor in a MoE layer, or a router
-  (`gate.weight`, `gate.bias` / `e_score_correction_bias`) whose first dimension differs.
+  (`gate.weight`, `gate.bias` / `e_score_correction_bias`) whose first dimension differs;
+- MTP speculative decoding asked of a checkpoint that lacks an MTP block's tensors.
 Native (`layers.L.ffn.experts.E.w1`) and HF (`model.layers.L.mlp.experts.E.gate_proj`) names,
 and MTP blocks (`mtp.N.`), are read alike. Standard library only.
 """
@@ -273,9 +274,33 @@ def _hf_quant_config(path: str) -> dict | None:
             "moe_quant_algo": "NVFP4" if experts else None}  # fmt: skip
 
 
-def check_checkpoint(folder: str, n_routed_experts: int | None, quant: dict | None) -> int:
-    """Every check of the module docstring on the checkpoint in `folder`; returns the number of
-    tensors checked. Raises CheckpointFault (one line, naming the file and the tensor)."""
+def check_mtp(ts: dict[str, _Tensor], folder: str, first_layer: int, n_blocks: int) -> None:
+    """Speculative decoding with the MTP head builds `n_blocks` MTP blocks from the checkpoint:
+    block j from `mtp.{j}.*` (DeepSeek's names) or `model.layers.{first_layer + j}.*`. A block
+    with no tensor at all would run on uninitialized memory (vLLM 0.21.0 does not track missing
+    weights of quantized models): RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 declares one MTP layer and
+    ships none of its tensors."""
+    for j in range(n_blocks):
+        prefixes = (f"mtp.{j}.", f"model.layers.{first_layer + j}.")
+        if not any(name.startswith(prefixes) for name in ts):
+            raise CheckpointFault(
+                f"{folder}: --speculative-config method mtp needs MTP block {j}, and this "
+                f"checkpoint has no tensor 'mtp.{j}.*' (its config.json declares "
+                f"num_nextn_predict_layers = {n_blocks}); serve it without speculative decoding, "
+                "or use a checkpoint that ships its MTP block"
+            )
+
+
+def check_checkpoint(
+    folder: str,
+    n_routed_experts: int | None,
+    quant: dict | None,
+    mtp: tuple[int, int] | None = None,
+) -> int:
+    """Every check of the module docstring on the checkpoint in `folder`; with `mtp`
+    (num_hidden_layers, num_nextn_predict_layers: MTP speculative decoding was asked for), also
+    `check_mtp`. Returns the number of tensors checked. Raises CheckpointFault (one line, naming
+    the file and the tensor)."""
     if not quant:  # vLLM 0.21.0 reads ModelOpt's hf_quant_config.json when config.json has none
         quant = _hf_quant_config(os.path.join(folder, "hf_quant_config.json"))
     ts = read_tensors(folder)
@@ -284,4 +309,6 @@ def check_checkpoint(folder: str, n_routed_experts: int | None, quant: dict | No
     check_scales(ts, quant)
     if n_routed_experts is not None:
         check_experts(ts, int(n_routed_experts), os.path.join(folder, "config.json"))
+    if mtp is not None:
+        check_mtp(ts, folder, *mtp)
     return len(ts)
