@@ -204,13 +204,15 @@ def nvfp4_to_ct(name: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     input_global_scale = 1 / input_scale (compressed-tensors stores the global scales as
     divisors: vLLM's CompressedTensorsW4A4Fp4 takes their reciprocals), each of shape (1,) as
     llm-compressor writes them."""
+
+    def divisor(scale: torch.Tensor) -> torch.Tensor:
+        return (1.0 / scale.double()).float().reshape(1)
+
     return {
         f"{name}.weight_packed": t[f"{name}.weight"],
         f"{name}.weight_scale": t[f"{name}.weight_scale"],
-        f"{name}.weight_global_scale": (1.0 / t[f"{name}.weight_scale_2"].double())
-        .float()
-        .reshape(1),
-        f"{name}.input_global_scale": (1.0 / t[f"{name}.input_scale"].double()).float().reshape(1),
+        f"{name}.weight_global_scale": divisor(t[f"{name}.weight_scale_2"]),
+        f"{name}.input_global_scale": divisor(t[f"{name}.input_scale"]),
     }
 
 

@@ -20,8 +20,8 @@ so any weight or buffer) is created:
     checked_construction(vllm_config)
 which runs `cutedsl.vllm.preflight.check_checkpoint` on a local checkpoint folder (safetensors
 headers only: truncated shards, an index naming a missing shard, missing or mis-typed scales, an
-expert count the tensors disagree with, and, when MTP speculative decoding is asked for with this
-checkpoint as its draft, an MTP block without tensors) and raises its one-line CheckpointFault, so that the
+expert count the tensors disagree with, and, when MTP speculative decoding drafts from this
+checkpoint, an MTP block without tensors) and raises its one-line CheckpointFault, so that the
 engine fails before it allocates the weights and the KV cache. A model that is not a local folder
 (a Hub id: the weights download later) or another --load-format is logged and left to the load.
 """
