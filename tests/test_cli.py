@@ -208,6 +208,25 @@ def _quantize_fails(capsys, work: Path, match: str, *extra: str) -> None:
     assert _tree(work) == before  # inputs and unrelated files unchanged, no DST, no temp folder
 
 
+@pytest.mark.parametrize(
+    "device,match",
+    [
+        ("tpu", r"--device tpu: expected cpu or cuda\[:N\]"),
+        ("mps", r"--device mps: expected cpu or cuda\[:N\]"),
+        ("cuda:x", r"--device cuda:x: expected cpu or cuda\[:N\]"),
+    ],
+)
+def test_quantize_bad_device_is_refused(capsys, work: Path, device: str, match: str) -> None:
+    _quantize_fails(capsys, work, match, "--device", device)
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the refusal where no GPU is visible"
+)
+def test_quantize_on_a_machine_without_gpu_is_refused(capsys, work: Path) -> None:
+    _quantize_fails(capsys, work, r"--device cuda: no CUDA GPU visible", "--device", "cuda")
+
+
 def test_truncated_shard_is_named(capsys, work: Path) -> None:
     shard = sorted((work / "ckpt").glob("*.safetensors"))[1]
     os.truncate(shard, shard.stat().st_size // 2)

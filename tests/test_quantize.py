@@ -127,6 +127,40 @@ def test_convert_names_option_and_multi_shard(sources, tmp_path):
     assert float((a - b).norm() / a.norm()) < 0.15
 
 
+def _convert_on(sources, tmp_path, device: str) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for fmt in ("native", "native-fp8", "nvidia-mixed", "bf16"):
+        dst = str(tmp_path / f"{fmt}-{device.replace(':', '')}")
+        Q.convert(sources[fmt], dst, device=device)
+        out[fmt] = _all(dst)
+    return out
+
+
+def test_convert_device_cpu_is_the_default(sources, tmp_path):
+    """`device` reaches every re-quantized projection: the CPU named explicitly writes what the
+    default writes, bit for bit."""
+    src, a, b = sources["native"], str(tmp_path / "default"), str(tmp_path / "cpu")
+    Q.convert(src, a)
+    Q.convert(src, b, device="cpu")
+    ta, tb = _all(a), _all(b)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.equal(_bits(ta[k]), _bits(tb[k])), k
+
+
+@pytest.mark.gpu
+def test_convert_on_the_gpu_matches_the_cpu(sources, tmp_path):
+    """dsv4-quantize --device cuda: every tensor of every source layout the same, bit for bit,
+    as the CPU conversion (and on the CPU when written)."""
+    gpu, cpu = _convert_on(sources, tmp_path, "cuda"), _convert_on(sources, tmp_path, "cpu")
+    for fmt in cpu:
+        assert gpu[fmt].keys() == cpu[fmt].keys(), fmt
+        for k, v in cpu[fmt].items():
+            g = gpu[fmt][k]
+            assert g.device.type == "cpu" and g.dtype == v.dtype and g.shape == v.shape, (fmt, k)
+            assert torch.equal(_bits(g), _bits(v)), (fmt, k)
+
+
 def _copy(src: str, dst: str) -> str:
     shutil.copytree(src, dst)
     return dst

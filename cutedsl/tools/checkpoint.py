@@ -361,39 +361,47 @@ def _fp8_scale_dtype(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float8_e8m0fnu, torch.float32) else t.float()
 
 
-def read_linear(ck: Checkpoint, name: str) -> torch.Tensor:
+def read_linear(
+    ck: Checkpoint, name: str, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Dequantize linear `name` (in ck's scheme, without leaf) of any known storage -> fp32 [N, K].
 
     Storage is detected from the tensors present: `.weight_scale_2` -> NVFP4; `.weight_packed` +
     `.weight_global_scale` -> compressed-tensors NVFP4 (w = e2m1 * weight_scale /
     weight_global_scale); e4m3 `.weight` + `.scale` / `.weight_scale_inv` / `.weight_scale`
     (block shaped) -> FP8 block; uint8 or int8 `.weight` + e8m0 `.scale` -> MXFP4; a floating
-    `.weight` alone -> plain.
+    `.weight` alone -> plain. device: where the tensors are read to and dequantized (None: the
+    CPU, where they are read).
     """
+
+    def get(n: str) -> torch.Tensor:
+        t = ck.get(n)
+        return t if device is None else t.to(device)
+
     if ck.has(f"{name}.weight_packed"):
         if not ck.has(f"{name}.weight_global_scale"):
             raise CheckpointError(
                 f"tensor {name}.weight_packed: no {name}.weight_global_scale beside it "
                 f"({os.path.join(ck.path, ck.files[name + '.weight_packed'])})"
             )
-        gs = ck.get(f"{name}.weight_global_scale").float().reshape(-1)
+        gs = get(f"{name}.weight_global_scale").float().reshape(-1)
         if gs.numel() != 1 or not bool(gs[0] > 0):
             raise CheckpointError(
                 f"tensor {name}.weight_global_scale: expected one positive value, got "
                 f"{gs.tolist()[:4]} ({os.path.join(ck.path, ck.files[name + '.weight_global_scale'])})"
             )
         return F.dequantize_nvfp4(
-            ck.get(f"{name}.weight_packed"),
-            ck.get(f"{name}.weight_scale"),
+            get(f"{name}.weight_packed"),
+            get(f"{name}.weight_scale"),
             (1.0 / gs[0].double()).float(),
             dtype=torch.float32,
         )
-    w = ck.get(f"{name}.weight")
+    w = get(f"{name}.weight")
     if ck.has(f"{name}.weight_scale_2"):
         return F.dequantize_nvfp4(
             w,
-            ck.get(f"{name}.weight_scale"),
-            ck.get(f"{name}.weight_scale_2").float(),
+            get(f"{name}.weight_scale"),
+            get(f"{name}.weight_scale_2").float(),
             dtype=torch.float32,
         )
     scale_name = next(
@@ -405,9 +413,9 @@ def read_linear(ck: Checkpoint, name: str) -> torch.Tensor:
         None,
     )
     if w.dtype == torch.float8_e4m3fn and scale_name:
-        return dequantize_fp8_block(w, _fp8_scale_dtype(ck.get(scale_name)))
+        return dequantize_fp8_block(w, _fp8_scale_dtype(get(scale_name)))
     if w.dtype in _PACKED and scale_name:
-        return dequantize_mxfp4(w.view(torch.uint8), ck.get(scale_name))
+        return dequantize_mxfp4(w.view(torch.uint8), get(scale_name))
     if w.dtype in (torch.bfloat16, torch.float16, torch.float32) and scale_name is None:
         return w.float()
     raise CheckpointError(

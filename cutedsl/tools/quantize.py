@@ -1,6 +1,6 @@
 """Convert a DeepSeek V4 checkpoint into a full-NVFP4 ModelOpt checkpoint; DSv4 checkpoint codecs.
 
-    dsv4-quantize SRC DST [--names native|hf] [--input-amax A] [--force]
+    dsv4-quantize SRC DST [--names native|hf] [--input-amax A] [--device cpu|cuda[:N]] [--force]
     (or python -m cutedsl.tools.quantize ...)
 
 SRC: a DSv4 checkpoint in one of the layouts `cutedsl.tools.tiny_model` knows (and DeepSeek,
@@ -27,7 +27,9 @@ shard being written), into a temporary folder next to DST that is renamed at the
 never half-written, also on SIGTERM or Ctrl-C. --force replaces a DST that holds only what a
 cutedsl tool wrote (its .cutedsl-checkpoint.json marker), never other files. `mtp.*` tensors the
 config does not describe are copied as is. `input_scale` of re-quantized projections is not
-calibrated: amax --input-amax (default 32, > 0) / (6*448).
+calibrated: amax --input-amax (default 32, > 0) / (6*448). --device cuda[:N] dequantizes and
+re-quantizes on that GPU instead of the CPU; the output must be the CPU's bit for bit
+(tests/test_quantize.py, a GPU test).
 """
 
 from __future__ import annotations
@@ -117,10 +119,13 @@ def convert(
     input_amax: float = 32.0,
     force: bool = False,
     progress: bool = False,
+    device: torch.device | str | None = None,
 ) -> dict:
     """Convert checkpoint `src` into a full-NVFP4 ModelOpt checkpoint at `dst`; returns its config.
 
     names: naming scheme of the output ("native"/"hf"; None keeps the source's).
+    device: where the re-quantized projections are dequantized and quantized (None: the CPU);
+    the tensors written are the same on every device.
     Raises ConversionError (DST untouched) for unknown layouts, missing/unknown tensors or
     inconsistent shapes/dtypes, UsageError for a DST that is or lies inside SRC (or holds files
     no cutedsl tool wrote), FileExistsError if dst exists and not force.
@@ -174,7 +179,7 @@ def convert(
     ]
     with torch.no_grad():
         for s in _progress(fused, "quantize: amax", progress):
-            a = float(read_linear(ck, sname(s.name)).abs().amax())
+            a = float(read_linear(ck, sname(s.name), device).abs().amax())
             group_amax[s.fuse] = max(group_amax.get(s.fuse, 0.0), a)
 
     shard_of = {fn: i for i, fn in enumerate(ck.shard_files())}
@@ -227,9 +232,10 @@ def convert(
                             },
                         )
                         continue
-                    w = read_linear(ck, sname(s.name))
+                    w = read_linear(ck, sname(s.name), device)
                     ga = group_amax.get(s.fuse) if s.fuse is not None else None
-                    yield shard, encode_nvfp4(s.name, w, group_amax=ga, input_amax=input_amax)
+                    t = encode_nvfp4(s.name, w, group_amax=ga, input_amax=input_amax)
+                    yield shard, {k: v.cpu() for k, v in t.items()}
         bar.close()
 
     if mtp:
@@ -274,8 +280,32 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="replace an existing DST that holds only what a cutedsl tool wrote",
     )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where to dequantize and re-quantize: cpu (default) or cuda[:N] (the same output)",
+    )
     a = ap.parse_args(argv)
     return cli.run(ap.prog, lambda: _main(a), a.debug)
+
+
+def _device(spec: str) -> torch.device:
+    """--device as a torch.device: the CPU, or a CUDA GPU this process can see."""
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise UsageError(f"--device {spec}: expected cpu or cuda[:N]") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise UsageError(f"--device {spec}: expected cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        raise UsageError(
+            f"--device {spec}: no CUDA GPU visible (torch.cuda.is_available() is False)"
+        )
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {spec}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
+    return device
 
 
 def _main(a) -> int:
@@ -284,8 +314,9 @@ def _main(a) -> int:
     if not os.path.isdir(a.src):
         what = "is not a folder" if os.path.exists(a.src) else "does not exist"
         raise UsageError(f"SRC {a.src} {what}")
+    device = _device(a.device)
     check_output(a.dst, a.force, inputs=[a.src], what="DST")
-    cfg = convert(a.src, a.dst, a.names, a.input_amax, a.force, progress=True)
+    cfg = convert(a.src, a.dst, a.names, a.input_amax, a.force, progress=True, device=device)
     print(f"wrote full-NVFP4 checkpoint ({cfg['num_hidden_layers']} layers) to {a.dst}")
     return 0
 
