@@ -52,7 +52,8 @@ from vllm.model_executor.layers.quantization.compressed_tensors.utils import (
 from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod, nvfp4_config
 
 # DSv4's fused linears and the checkpoint linears loaded into them (DeepseekV4Model.load_weights'
-# stacked_params_mapping): compressed-tensors targets name the checkpoint's linears.
+# stacked_params_mapping): a target or ignore entry may name the fused module (Red Hat's targets
+# do) or the checkpoint's linears (recipes' `ignore` lists, other exports).
 FUSED = {"fused_wqa_wkv": ["wq_a", "wkv"], "gate_up_proj": ["w1", "w3"]}
 # A routed-expert FusedMoE is matched through one expert's linears, in either naming.
 _EXPERT_NAMES = ((".0.gate_proj", ".0.up_proj", ".0.down_proj"), (".0.w1", ".0.w3", ".0.w2"))

@@ -11,9 +11,9 @@
   config has no such list) get `nvfp4_moe_method_for_fp8_config`; the rest keep upstream's methods
   (the MTP block's MXFP4 experts, FP8 block linears everywhere else).
 - compressed-tensors checkpoints (RedHatAI/DeepSeek-V4-Flash-NVFP4-FP8 and its MTP variant) get
-  `cutedsl.vllm.ct.dsv4_ct_config`: the same split as NVIDIA's mixed ones (NVFP4 routed experts
-  ours, FP8 block linears upstream's), each layer's scheme read from the checkpoint's own
-  compressed-tensors config; their tensors are renamed while loading (`cutedsl.vllm.ct`).
+  `cutedsl.vllm.ct.dsv4_ct_config`: NVFP4 routed and shared experts ours, FP8 block linears
+  upstream's, each layer's scheme read from the checkpoint's own compressed-tensors config;
+  their tensors are renamed while loading (`cutedsl.vllm.ct`).
 - Anything else (native FP8 + MXFP4, FP8 experts, bf16 / no quantization, W4A16_NVFP4) is returned
   as is: upstream behaviour exactly.
 """
