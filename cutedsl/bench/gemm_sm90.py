@@ -85,6 +85,7 @@ from pathlib import Path
 
 import torch
 
+from cutedsl import jit
 from cutedsl.bench.common import gpu_problem, graph_time_us, make_parser
 from cutedsl.sm90.tactics import BK, TILE_M_VERIFIED, GpuSpec, Tactic, gpu_spec, launch_tactic
 
@@ -498,6 +499,13 @@ def bench_ours(
         g, n, k = shape.groups, shape.n, shape.k
         n_copies = 1 if shape.kind == "moe" else _copies(weight_bytes(g, n, k))
         wps = [random_prepared_weight(g, n, k) for _ in range(n_copies)]
+        if sweep:  # every tactic the sweep times compiles in parallel, not one by one
+            moe = shape.kind == "moe"
+            jit.prefetch(gemm.jobs({
+                (t, moe) for m in ms
+                for t in candidate_tactics(shape.rows(m) if moe else m, n, k, g, moe, spec=spec,
+                                           grid=sweep == "grid")
+            }))  # fmt: skip
     except Exception as e:  # noqa: BLE001 - one implementation failing never stops the run
         _set(rows_by_m, ms, "ours_error", _err(e))
         return
