@@ -33,7 +33,7 @@ def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _builders() -> list[tuple[object, tuple]]:
     """(builder, one valid argument tuple) for every builder the runtime passes to jit.compiled."""
     return [
-        (sm90_gemm._build, (128, 16, 1, False, 1)),
+        (sm90_gemm._build, (128, 16, 1, False)),
         (routing._build, ("route",)),
         (swiglu._build, (10.0,)),
         (sm100_kernels.compile_gemm, (False, 10.0, 128)),
@@ -87,12 +87,10 @@ def test_sm90_builder_passes_every_argument_to_the_kernel(monkeypatch: pytest.Mo
 
     seen = []
     monkeypatch.setattr(kernels, "compile_kernel", lambda *a, **kw: seen.append((a, kw)))
-    sm90_gemm._build(64, 32, 2, True, 1)
-    sm90_gemm._build(64, 32, 2, True, 1, no_jit_engine=True)
-    sm90_gemm._build(128, 16, 1, True, 4)
-    assert seen == [((64, 32, 2, True), {"n_per_cta": 1, "no_jit_engine": False}),
-                    ((64, 32, 2, True), {"n_per_cta": 1, "no_jit_engine": True}),
-                    ((128, 16, 1, True), {"n_per_cta": 4, "no_jit_engine": False})]  # fmt: skip
+    sm90_gemm._build(64, 32, 2, True)
+    sm90_gemm._build(64, 32, 2, True, no_jit_engine=True)
+    assert seen == [((64, 32, 2, True), {"no_jit_engine": False}),
+                    ((64, 32, 2, True), {"no_jit_engine": True})]  # fmt: skip
 
 
 def test_compiles_once_per_key_under_concurrent_first_calls(monkeypatch) -> None:

@@ -84,12 +84,10 @@ def test_runner_plans_are_the_union_of_their_gemms() -> None:
     }
     jobs = runners.moe_jobs(e, h, i, 10.0, max_tokens, H200)
     gemm_args = {j.args for j in jobs if j.build.__module__ == "cutedsl.sm90.gemm"}
-    assert gemm_args == {(t.tile_n, t.tile_m, t.split_k, True, t.n_per_cta) for t, _ in moe}
+    assert gemm_args == {(t.tile_n, t.tile_m, t.split_k, True) for t, _ in moe}
     assert {j.build.__module__ for j in jobs} == {
         "cutedsl.sm90.gemm", "cutedsl.sm90.routing", "cutedsl.sm90.swiglu"
     }  # fmt: skip
     shared = runners.shared_mlp_jobs(h, i, 10.0, max_tokens, H200)
     want = every_m(2 * i, h, 1, False, max_tokens, H200) | every_m(h, i, 1, False, max_tokens, H200)
-    assert {j.args for j in shared[:-1]} == {
-        (t.tile_n, t.tile_m, t.split_k, False, t.n_per_cta) for t in want
-    }
+    assert {j.args for j in shared[:-1]} == {(t.tile_n, t.tile_m, t.split_k, False) for t in want}

@@ -448,8 +448,7 @@ def candidate_tactics(
     Neighbours: the other tile_n, the next token tile up and down, half / double the K split.
     Grid (dense / grouped): every tile_n, every verified token tile from the one covering m
     (m <= 32) or from min(m, 256) / 4 up to 2x m, every split 1..8 the kernel takes (1, 2 from
-    m = 1024). Decode (m <= 32; MoE: the launch's token tile <= 32): also 2, 4 and 8 n tiles per
-    CTA of each unsplit tactic. All valid for the shape."""
+    m = 1024). All valid for the shape."""
     from cutedsl.sm90.kernels.gemm import Sm90Nvfp4W4A16GemmKernel as Kern  # imports cutlass
 
     t0 = launch_tactic(m, n, k, groups, moe, spec)
@@ -470,9 +469,6 @@ def candidate_tactics(
                   if 0 <= j < len(tiles)]  # fmt: skip
         if not moe:
             cands += [Tactic(tn, tm, max(1, sk // 2)), Tactic(tn, tm, sk * 2)]
-    if (tm if moe else m) <= 32:
-        cands += [Tactic(c.tile_n, c.tile_m, 1, r) for c in cands if c.split_k == 1
-                  for r in (2, 4, 8)]  # fmt: skip
     out: list[Tactic] = []
     kt = k // BK
     for c in cands:
@@ -480,10 +476,13 @@ def candidate_tactics(
             continue
         if Kern.split_error(c.tile_m, c.split_k, moe):
             continue
-        if Kern.n_per_cta_error(n, k, c.tile_n, c.tile_m, c.n_per_cta):
-            continue
         out.append(c)
     return out
+
+
+def tactic_list(t: Tactic) -> list[int]:
+    """A Tactic as the rows record it: [tile_n, tile_m, split_k]."""
+    return [t.tile_n, t.tile_m, t.split_k]
 
 
 def bench_ours(
@@ -546,7 +545,7 @@ def bench_ours(
                             for wp in wps]  # fmt: skip
 
                 tac = launch_tactic(m, n, k, 1, False, spec)
-            r["tactic"] = tac.as_list()
+            r["tactic"] = tactic_list(tac)
             flops = 2.0 * rows * n * k * (g if shape.kind == "grouped" else 1)
             cands = candidate_tactics(rows if shape.kind == "moe" else m, n, k, g,
                                       shape.kind == "moe", spec=spec,
@@ -562,7 +561,7 @@ def bench_ours(
             if sweep:
                 r["sweep_us"] = {str(t): us for t, us in times.items()}
                 best = min(times, key=times.get)
-                r["best_tactic"], r["best_us"] = best.as_list(), times[best]
+                r["best_tactic"], r["best_us"] = tactic_list(best), times[best]
         except Exception as e:  # noqa: BLE001
             r["ours_error"] = _err(e)
         print(f"  ours     {shape.name:20s} M={m:6d} us={r['us']} {r['ours_error'] or ''}")
@@ -1078,7 +1077,7 @@ def _cell(r: dict, key: str, fmt: str) -> str:
             return "n/a"
         return "-"
     if fmt == "t":
-        return str(Tactic(*v))
+        return "x".join(str(x) for x in v)
     return format(v, fmt)
 
 

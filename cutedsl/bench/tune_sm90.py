@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from cutedsl.bench.common import make_parser
-from cutedsl.sm90.tactics import GpuSpec, Tactic
+from cutedsl.sm90.tactics import GpuSpec
 
 EXAMPLES = [
     "python -m cutedsl.bench.tune_sm90 sweep.json   # -> cutedsl/tuned/sm90/NVIDIA_H200.json "
@@ -53,7 +53,7 @@ def sweep_device(sweeps: list[dict], num_sms: int | None = None) -> GpuSpec:
 
 
 def table_from_sweeps(sweeps: list[dict], spec: GpuSpec) -> dict:
-    """{"meta": {...}, "dense": {"N,K,G": {"M": {"tactic": [tn, tm, sk(, r)], "us": t, "next": ...}}}}
+    """{"meta": {...}, "dense": {"N,K,G": {"M": {"tactic": [tn, tm, sk], "us": t, "next": ...}}}}
     for the GPU `spec` (`sweep_device`)."""
     dense: dict[str, dict[str, dict]] = {}
     sources = []
@@ -67,7 +67,7 @@ def table_from_sweeps(sweeps: list[dict], spec: GpuSpec) -> dict:
             (best, us), (nxt, nus) = ranked[0], ranked[1]
             key = f"{r['N']},{r['K']},{r['G'] or 1}"
             dense.setdefault(key, {})[str(r["M"])] = {
-                "tactic": Tactic.parse(best).as_list(),
+                "tactic": [int(x) for x in best.split("x")],
                 "us": us,
                 "next": nxt,
                 "next_us": nus,
@@ -76,9 +76,8 @@ def table_from_sweeps(sweeps: list[dict], spec: GpuSpec) -> dict:
     for key in dense:  # M ascending, for readers
         dense[key] = dict(sorted(dense[key].items(), key=lambda kv: int(kv[0])))
     meta = {
-        "what": "fastest measured (tile_n, tile_m, split_k[, n_per_cta]) per dense / grouped shape "
-        "and M, from `python -m cutedsl.bench.gemm_sm90 --sweep grid`; "
-        "cutedsl.sm90.tactics.choose_tactic uses "
+        "what": "fastest measured (tile_n, tile_m, split_k) per dense / grouped shape and M, from "
+        "`python -m cutedsl.bench.gemm_sm90 --sweep grid`; cutedsl.sm90.tactics.choose_tactic uses "
         "the entry of the smallest measured M >= m, and its rule beyond the largest",
         "built_by": "python -m cutedsl.bench.tune_sm90",
         "device": spec.name,

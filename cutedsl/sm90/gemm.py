@@ -37,28 +37,21 @@ from cutedsl.validate import check_tensor
 
 
 def _build(
-    tile_n: int, tile_m: int, split_k: int, moe: bool, n_per_cta: int, no_jit_engine: bool = False
+    tile_n: int, tile_m: int, split_k: int, moe: bool, no_jit_engine: bool = False
 ) -> object:
     from cutedsl.sm90.kernels.gemm import compile_kernel
 
-    return compile_kernel(
-        tile_n, tile_m, split_k, moe, n_per_cta=n_per_cta, no_jit_engine=no_jit_engine
-    )
-
-
-def _args(tactic: Tactic, moe: bool) -> tuple:
-    """`_build`'s compile-time arguments."""
-    return (tactic.tile_n, tactic.tile_m, tactic.split_k, moe, tactic.n_per_cta)
+    return compile_kernel(tile_n, tile_m, split_k, moe, no_jit_engine=no_jit_engine)
 
 
 def kernel(tactic: Tactic, moe: bool) -> object:
     """The compiled kernel of one tactic (compiled or loaded on first use; `jit`)."""
-    return jit.compiled(_build, *_args(tactic, moe))
+    return jit.compiled(_build, tactic.tile_n, tactic.tile_m, tactic.split_k, moe)
 
 
 def jobs(tactics: Iterable[tuple[Tactic, bool]]) -> list[jit.Job]:
     """The `jit.Job` of each (tactic, moe) variant, in a stable order."""
-    return [jit.Job(_build, _args(t, moe)) for t, moe in sorted(tactics)]
+    return [jit.Job(_build, (t.tile_n, t.tile_m, t.split_k, moe)) for t, moe in sorted(tactics)]
 
 
 def precompile(tactics: Iterable[tuple[Tactic, bool]]) -> None:
@@ -107,12 +100,6 @@ def _launch(
         raise ValueError(f"tactic {tactic}: tile_m {tactic.tile_m} not in {TILE_M_VERIFIED}")
     if moe and tactic.split_k != 1:
         raise NotImplementedError(f"tactic {tactic}: split-K with MoE offsets is not wired")
-    if tactic.n_per_cta != 1:
-        from cutedsl.sm90.kernels.gemm import Sm90Nvfp4W4A16GemmKernel as Kern
-
-        err = Kern.n_per_cta_error(wp.n, k, tactic.tile_n, tactic.tile_m, tactic.n_per_cta)
-        if err or tactic.split_k != 1:
-            raise ValueError(f"tactic {tactic}: {err or 'n_per_cta > 1 with split-K'}")
     if moe and moe_tile_bound(m, wp.groups, tactic.tile_m) > MAX_GRID_Y:
         raise ValueError(
             f"a: {m} rows in token tiles of {tactic.tile_m} give up to "

@@ -1,8 +1,7 @@
 """Which SM90 GEMM variant runs a launch: the `Tactic`, the GPU it runs on, and the choice.
 
 A `Tactic` is the compile-time tiling of `cutedsl.sm90.kernels.gemm` (with the MoE flag, the whole
-compile key): tile_n weight rows x tile_m tokens per CTA, split over split_k CTAs along K, and
-n_per_cta consecutive n tiles streamed by one CTA.
+compile key): tile_n weight rows x tile_m tokens per CTA, split over split_k CTAs along K.
 `choose_tactic` takes, in order: the tuned table of the GPU (`cutedsl/tuned/sm90/<device name>.json`,
 measured by `python -m cutedsl.bench.gemm_sm90 --sweep grid` and built by
 `python -m cutedsl.bench.tune_sm90`), then a rule written in terms of the GPU's SM count.
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,30 +29,14 @@ TUNED_DIR = Path(__file__).resolve().parent.parent / "tuned" / "sm90"
 @dataclass(frozen=True, order=True)
 class Tactic:
     """tile_n (64 | 128) weight rows x tile_m (TILE_M_VERIFIED) tokens per CTA, K split over
-    split_k (1..MAX_SPLIT_K) CTAs of one cluster (dense / grouped only), n_per_cta n tiles per
-    CTA through one pipeline (unsplit only; the kernel's `n_per_cta_error` says which N, K)."""
+    split_k (1..MAX_SPLIT_K) CTAs of one cluster (dense / grouped only)."""
 
     tile_n: int
     tile_m: int
     split_k: int = 1
-    n_per_cta: int = 1
 
     def __str__(self) -> str:
-        r = f"r{self.n_per_cta}" if self.n_per_cta != 1 else ""
-        return f"{self.tile_n}x{self.tile_m}x{self.split_k}{r}"
-
-    @classmethod
-    def parse(cls, text: str) -> Tactic:
-        """The Tactic `str` writes ("128x16x1", "128x16x1r4")."""
-        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:r(\d+))?", text)
-        if m is None:
-            raise ValueError(f"tactic {text!r}: expected TNxTMxSK or TNxTMxSKrR, e.g. 128x16x1r4")
-        return cls(*(int(g) for g in m.groups() if g is not None))
-
-    def as_list(self) -> list[int]:
-        """[tile_n, tile_m, split_k], and n_per_cta where it is not 1 (as tables record it)."""
-        t = [self.tile_n, self.tile_m, self.split_k]
-        return t + [self.n_per_cta] if self.n_per_cta != 1 else t
+        return f"{self.tile_n}x{self.tile_m}x{self.split_k}"
 
 
 @dataclass(frozen=True)

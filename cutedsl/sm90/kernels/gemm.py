@@ -52,18 +52,12 @@ Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n cons
     too; split-K 4 / 8 store from registers (measured faster there).
   - the ring is as deep as lets two CTAs share an SM where registers allow (`_compute_stages`).
 
-Several n tiles per CTA (n_per_cta = R > 1, unsplit): grid.x = N / (tile_n R), and a CTA computes
-n tiles R x, .., R x + R - 1 of its m tile as one stream of K tiles through the ring. The producer
-warp crosses tile boundaries without a pause, so the loads of tile r + 1 overlap the last WGMMAs
-and the epilogue (register stores) of tile r, and only the CTA's first tile waits for the pipeline
-to fill. Each tile's K loop must be whole unrolled ring passes (`n_per_cta_error`).
-
 Compile-time: tile_n (64|128), tile_m (16..256, multiple of 8), split_k (1..8, dividing tile_m/2;
-dense / grouped only), n_per_cta, moe, dtypes, stages.
+dense / grouped only), moe, dtypes, stages.
 Runtime: M (or T), the group count, the token and group strides of a and out, offs, pointers,
 stream.
 Graph safety: no host sync; the grid depends on M/T, N, split_k and L only.
-Constraints: N % tile_n == 0, K % (64 * split_k) == 0, K % 64 == 0; n_per_cta: `n_per_cta_error`.
+Constraints: N % tile_n == 0, K % (64 * split_k) == 0, K % 64 == 0.
 """
 
 from __future__ import annotations
@@ -106,7 +100,6 @@ class Sm90Nvfp4W4A16GemmKernel:
         staged_epilogue: bool | None = None,
         producer: bool | None = None,
         k_per_stage: int | None = None,
-        n_per_cta: int = 1,
     ):
         if tile_n not in (64, 128):
             raise ValueError(f"tile_n must be 64 or 128, got {tile_n}")
@@ -115,15 +108,10 @@ class Sm90Nvfp4W4A16GemmKernel:
         err = self.split_error(tile_m, split_k, moe)
         if err:
             raise ValueError(err)
-        if n_per_cta < 1 or (n_per_cta > 1 and split_k != 1):
-            raise ValueError(f"n_per_cta must be >= 1, and 1 with split-K; got {n_per_cta}")
-        if n_per_cta > 1 and producer is False:
-            raise ValueError("n_per_cta > 1 needs the producer warp")
         self.tile_n = tile_n
         self.tile_m = tile_m
         self.split_k = split_k
         self.moe = moe
-        self.n_per_cta = n_per_cta
         self.num_wg = tile_n // 64
         self.consumers = 128 * self.num_wg  # the warpgroups that dequantize and run WGMMA
         # A producer warp (the last) issues the TMA loads; without it warp 0 refills the ring
@@ -134,7 +122,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         # 128x32 (74 registers: 3 CTAs of 256 threads per SM, 2 of 288; 0.90-0.92x) and the
         # prefill tiles (128x128: 122 registers, one CTA per SM instead of two).
         if producer is None:
-            producer = tile_m == 16 or (tile_m == 32 and tile_n == 64) or n_per_cta > 1
+            producer = tile_m == 16 or (tile_m == 32 and tile_n == 64)
         self.producer = producer
         self.load_warp = self.consumers // 32 if self.producer else 0
         self.threads = self.consumers + (32 if self.producer else 0)
@@ -173,10 +161,8 @@ class Sm90Nvfp4W4A16GemmKernel:
         # unsplit, MoE, and split-K 2 (1.01-1.07x). With
         # 4 or 8 splits each CTA's slice is small and the extra CTA barrier and shared-memory pass
         # cost more than they save (0.85-0.98x).
-        default = staged_ok and split_k <= 2 and n_per_cta == 1
+        default = staged_ok and split_k <= 2
         self.staged_epilogue = default if staged_epilogue is None else staged_epilogue
-        if self.staged_epilogue and n_per_cta > 1:
-            raise ValueError("n_per_cta > 1 stores from registers (its ring is refilled meanwhile)")
         if self.staged_epilogue and not staged_ok:
             raise ValueError(
                 "the staged epilogue needs tile_m % (16 * split_k) == 0 and room in the "
@@ -218,27 +204,6 @@ class Sm90Nvfp4W4A16GemmKernel:
             )
         if moe and split_k != 1:
             return "split-K is for dense / grouped GEMMs, not the MoE"
-        return None
-
-    @staticmethod
-    def n_per_cta_error(
-        n: int, k: int, tile_n: int, tile_m: int, n_per_cta: int, stages: int | None = None
-    ) -> str | None:
-        """Why an N x K launch cannot run n_per_cta = R > 1 n tiles per CTA (None if it can): R
-        tiles must divide N, and each tile's K loop must be whole unrolled passes over the ring
-        (`_consume`), so that every tile starts at ring stage 0 and the stage indices stay
-        compile-time."""
-        if n_per_cta == 1:
-            return None
-        stages = stages or Sm90Nvfp4W4A16GemmKernel._compute_stages(tile_n, tile_m)
-        unroll = stages if stages % 2 == 0 else 2 * stages
-        if n % (tile_n * n_per_cta):
-            return f"N = {n} is not a multiple of {n_per_cta} tiles of {tile_n} rows"
-        if k % (unroll * BK):
-            return (
-                f"K = {k} is not a multiple of {unroll * BK} (whole passes over the "
-                f"{stages}-stage ring of a {tile_n}x{tile_m} tile)"
-            )
         return None
 
     @staticmethod
@@ -297,7 +262,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         )
         self.tx_bytes = self._stage_bytes(self.tile_n, self.tile_m)
 
-        n_tiles = cute.size(w, mode=[0]) // (self.tile_n * self.n_per_cta)
+        n_tiles = cute.size(w, mode=[0]) // self.tile_n
         m_tiles = (cute.size(a, mode=[0]) + self.tile_m - 1) // self.tile_m
         groups = cute.size(w, mode=[2])
         grid = (n_tiles, m_tiles, groups * self.split_k)
@@ -362,7 +327,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, bidz = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        n_tile = bidx * self.n_per_cta  # the CTA's first n tile
+        n_tile = bidx
         m_tile = bidy
         grp = bidz // self.split_k
         split = bidz % self.split_k
@@ -413,11 +378,10 @@ class Sm90Nvfp4W4A16GemmKernel:
             mA_cta = mA
             if cutlass.const_expr(self.moe):
                 mA_cta = cute.domain_offset((row_start, 0, 0), mA)
-            # (tile_n, BK/2, k_tiles); n_per_cta > 1: (tile_n, BK/2, n_tiles, k_tiles)
-            n_sel = n_tile if cutlass.const_expr(self.n_per_cta == 1) else None
-            gQ = cute.local_tile(mQ, (self.tile_n, BK // 2), (n_sel, None, grp))
-            # (tile_n, 1, k_tiles); n_per_cta > 1: (tile_n, 1, n_tiles, k_tiles)
-            gS = cute.local_tile(mS, (self.tile_n, 1), (n_sel, None, grp))
+            # (tile_n, BK/2, k_tiles)
+            gQ = cute.local_tile(mQ, (self.tile_n, BK // 2), (n_tile, None, grp))
+            # (tile_n, 1, k_tiles)
+            gS = cute.local_tile(mS, (self.tile_n, 1), (n_tile, None, grp))
             tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(
                 tma_q,
                 0,
@@ -433,7 +397,7 @@ class Sm90Nvfp4W4A16GemmKernel:
                 cute.group_modes(gS, 0, 2),
             )
 
-            k_tiles_total = cute.size(gQ, mode=[cute.rank(gQ) - 1])
+            k_tiles_total = cute.size(gQ, mode=[2])
             k_cnt = k_tiles_total // self.split_k
             k_first = split * k_cnt
 
@@ -469,60 +433,47 @@ class Sm90Nvfp4W4A16GemmKernel:
                 cute.group_modes(sA, 0, 2),
                 cute.group_modes(gA, 0, 2),
             )
+            acc.fill(0.0)
             loads = (mbar, full, k_first, tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS)
             frags = (frag0, frag1)
-            if cutlass.const_expr(self.n_per_cta > 1):
-                self._persistent(
-                    k_cnt, frags, acc, tiled_mma, tCrA, warp_idx, lane, empty, sQ_addr, sS_addr,
-                    q_off, s_off, loads + (k_cnt, n_tile), thr_epi, tCcC,
-                    self._out_rows(mC, row_start), n_tile, m_tile,
-                    act_l, rows_left, mGS[grp] * DECODE_BIAS,
-                )  # fmt: skip
-            else:
-                acc.fill(0.0)
-                if cutlass.const_expr(self.producer):
-                    if warp_idx == self.load_warp:
-                        self._produce(k_cnt, empty, loads)
-                    else:
-                        self._consume(
-                            k_cnt, frags, acc, tiled_mma, tCrA, warp_idx, lane, empty, sQ_addr,
-                            sS_addr, q_off, s_off, loads,
-                        )  # fmt: skip
+            if cutlass.const_expr(self.producer):
+                if warp_idx == self.load_warp:
+                    self._produce(k_cnt, empty, loads)
                 else:
-                    # K tile j goes to stage j % stages; the first pass needs no empty-barrier wait.
-                    if warp_idx == 0:
-                        for j in cutlass.range(cutlass.min(self.stages, k_cnt), unroll=1):
-                            self._load(j, j, loads)
                     self._consume(
                         k_cnt, frags, acc, tiled_mma, tCrA, warp_idx, lane, empty, sQ_addr,
                         sS_addr, q_off, s_off, loads,
                     )  # fmt: skip
+            else:
+                # K tile j goes to stage j % stages; the first pass needs no empty-barrier wait.
+                if warp_idx == 0:
+                    for j in cutlass.range(cutlass.min(self.stages, k_cnt), unroll=1):
+                        self._load(j, j, loads)
+                self._consume(
+                    k_cnt, frags, acc, tiled_mma, tCrA, warp_idx, lane, empty, sQ_addr,
+                    sS_addr, q_off, s_off, loads,
+                )  # fmt: skip
 
-                # -------------------------------------------------------- epilogue
-                scale = mGS[grp] * DECODE_BIAS  # the decode's products are e2m1·sf·2^-19
-                mC_cta = self._out_rows(mC, row_start)
-                gC = cute.local_tile(mC_cta, (self.tile_n, self.tile_m), (n_tile, m_tile, act_l))
-                tCgC = thr_epi.partition_C(gC)
-                if cutlass.const_expr(self.split_k > 1):
-                    self._splitk_reduce(
-                        acc, tCcC, tCgC, rows_left, scale, park, tidx, split,
-                        mC_cta, n_tile, m_tile, act_l,
-                    )  # fmt: skip
-                elif cutlass.const_expr(self.staged_epilogue):
-                    self._staged_epilogue(
-                        acc, mC_cta, n_tile, m_tile, act_l, rows_left, scale, park, tidx
-                    )
-                elif self._consumer(tidx):
-                    for i in cutlass.range_constexpr(cute.size(acc)):
-                        if tCcC[i][1] < rows_left:
-                            tCgC[i] = (acc[i] * scale).to(self.out_dtype)
-
-    def _out_rows(self, mC, row_start):
-        """The output the CTA's tile coordinates index: MoE tiles count tokens from their
-        expert's first row."""
-        if cutlass.const_expr(self.moe):
-            return cute.domain_offset((0, row_start, 0), mC)
-        return mC
+            # ------------------------------------------------------------ epilogue
+            scale = mGS[grp] * DECODE_BIAS  # the decode's products are e2m1·sf·2^-19
+            mC_cta = mC
+            if cutlass.const_expr(self.moe):
+                mC_cta = cute.domain_offset((0, row_start, 0), mC)
+            gC = cute.local_tile(mC_cta, (self.tile_n, self.tile_m), (n_tile, m_tile, act_l))
+            tCgC = thr_epi.partition_C(gC)
+            if cutlass.const_expr(self.split_k > 1):
+                self._splitk_reduce(
+                    acc, tCcC, tCgC, rows_left, scale, park, tidx, split,
+                    mC_cta, n_tile, m_tile, act_l,
+                )  # fmt: skip
+            elif cutlass.const_expr(self.staged_epilogue):
+                self._staged_epilogue(
+                    acc, mC_cta, n_tile, m_tile, act_l, rows_left, scale, park, tidx
+                )
+            elif self._consumer(tidx):
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    if tCcC[i][1] < rows_left:
+                        tCgC[i] = (acc[i] * scale).to(self.out_dtype)
 
     def _consumer(self, tidx):
         """Whether thread `tidx` is a consumer (holds accumulators): a runtime test only when
@@ -530,41 +481,10 @@ class Sm90Nvfp4W4A16GemmKernel:
         return tidx < self.consumers if self.producer else True
 
     @cute.jit
-    def _persistent(
-        self, k_cnt, frags, acc, tiled_mma, tCrA, warp_idx, lane, empty, sQ_addr, sS_addr,
-        q_off, s_off, loads, thr_epi, tCcC, mC, n_first, m_tile, act_l, rows_left, scale,
-    ):  # fmt: skip
-        """n_per_cta = R > 1: this CTA's n tiles n_first .. n_first + R - 1 of one m tile, as one
-        stream of R * k_cnt K tiles through the ring. The producer warp runs ahead across tile
-        boundaries (it fills the ring with tile r + 1 while the consumers finish tile r and store
-        it), so only the CTA's first tile pays the pipeline fill. k_cnt is whole unrolled ring
-        passes (`n_per_cta_error`): every tile starts at stage 0 with the parity `_consume`
-        hands on, and its last barrier stage (groups - 1) is released here after its WGMMAs.
-        The bf16 tile goes out from registers (the ring is busy with the next tile's loads)."""
-        if warp_idx == self.load_warp:
-            self._produce(self.n_per_cta * k_cnt, empty, loads)
-        else:
-            ph = cutlass.Int32(0)
-            for r in cutlass.range(self.n_per_cta, unroll=1):
-                acc.fill(0.0)
-                ph = self._consume(
-                    k_cnt, frags, acc, tiled_mma, tCrA, warp_idx, lane, empty, sQ_addr, sS_addr,
-                    q_off, s_off, loads, ph,
-                )  # fmt: skip
-                if lane == 0:
-                    du.mbar_arrive(empty + (self.groups - 1) * 8)
-                gC = cute.local_tile(mC, (self.tile_n, self.tile_m), (n_first + r, m_tile, act_l))
-                tCgC = thr_epi.partition_C(gC)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    if tCcC[i][1] < rows_left:
-                        tCgC[i] = (acc[i] * scale).to(self.out_dtype)
-
-    @cute.jit
     def _produce(self, k_cnt, empty, loads):
         """The producer warp: K tiles j * kps .. j * kps + kps - 1 into ring stages g * kps ..
         (barrier stage g = j % groups), once the consumers have released the barrier stage's
-        previous tiles (from the second pass on). With n_per_cta > 1, k_cnt counts the K tiles of
-        all the CTA's n tiles (`_copy_tile` maps each to its n tile and K index)."""
+        previous tiles (from the second pass on)."""
         for j in cutlass.range((k_cnt + self.kps - 1) // self.kps, unroll=1):
             g = j % self.groups
             if j >= self.groups:
@@ -584,16 +504,15 @@ class Sm90Nvfp4W4A16GemmKernel:
     @cute.jit
     def _consume(
         self, k_cnt, frags, acc, tiled_mma, tCrA, warp_idx, lane, empty, sQ_addr, sS_addr,
-        q_off, s_off, loads, ph0=None,
+        q_off, s_off, loads,
     ):  # fmt: skip
         """The consumer warpgroups' mainloop: unrolled by a whole number of ring passes (U
         steps: stages if even, else twice), so every step's stage and fragment buffer are
         compile-time; tile r * U + i has stage i % stages and full-barrier parity
         ph ^ (i // stages) & 1, where ph is the parity of the pass's first tile (it flips per
-        loop iteration only when U = stages). `ph0`: the parity of the first tile (0 when None);
-        returns the parity of the tile after the last (`_persistent`'s next n tile)."""
+        loop iteration only when U = stages)."""
         unroll = self.stages if self.stages % 2 == 0 else 2 * self.stages
-        ph = cutlass.Int32(0) if ph0 is None else ph0
+        ph = cutlass.Int32(0)
         du.mbar_wait(loads[1], ph)
         self._dequant(frags[0], sQ_addr, sS_addr, 0, q_off, s_off)
         for r in cutlass.range((k_cnt + unroll - 1) // unroll, unroll=1):
@@ -607,7 +526,6 @@ class Sm90Nvfp4W4A16GemmKernel:
             if cutlass.const_expr(unroll == self.stages):
                 ph = ph ^ 1
         cute.nvgpu.warpgroup.wait_group(0)
-        return ph
 
     def _stmatrix_addr(self, base, tidx):
         """This lane's `stmatrix .x4 .trans` address for n8 blocks (0, 1) of a staged token-row
@@ -837,23 +755,13 @@ class Sm90Nvfp4W4A16GemmKernel:
     @cute.jit
     def _copy_tile(self, j, st, g, loads):
         """TMA loads of this CTA's K tile j (activations, weight bytes, scale words) into ring
-        stage st, counted on the full barrier of barrier stage g. With n_per_cta > 1, `loads`
-        ends with (k_cnt, n_first) and j counts across the CTA's n tiles: K index j % k_cnt of n
-        tile n_first + j // k_cnt."""
-        mbar, full, k_first, tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS = loads[:12]
+        stage st, counted on the full barrier of barrier stage g."""
+        mbar, full, k_first, tma_a, tAgA, tAsA, tma_q, tQgQ, tQsQ, tma_s, tSgS, tSsS = loads
         bar = mbar + g
-        if cutlass.const_expr(self.n_per_cta == 1):
-            k = k_first + j  # global K tile index
-            cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, st)], tma_bar_ptr=bar)
-            cute.copy(tma_q, tQgQ[(None, k)], tQsQ[(None, st)], tma_bar_ptr=bar)
-            cute.copy(tma_s, tSgS[(None, k)], tSsS[(None, st)], tma_bar_ptr=bar)
-        else:
-            k_cnt, n_first = loads[12], loads[13]
-            k = j % k_cnt  # no split-K here: k_first = 0
-            n = n_first + j // k_cnt
-            cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, st)], tma_bar_ptr=bar)
-            cute.copy(tma_q, tQgQ[(None, n, k)], tQsQ[(None, st)], tma_bar_ptr=bar)
-            cute.copy(tma_s, tSgS[(None, n, k)], tSsS[(None, st)], tma_bar_ptr=bar)
+        k = k_first + j  # global K tile index
+        cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, st)], tma_bar_ptr=bar)
+        cute.copy(tma_q, tQgQ[(None, k)], tQsQ[(None, st)], tma_bar_ptr=bar)
+        cute.copy(tma_s, tSgS[(None, k)], tSsS[(None, st)], tma_bar_ptr=bar)
 
 
 # ------------------------------------------------------------------------------ fake tensors
@@ -897,12 +805,10 @@ def compile_kernel(
     stages: int | None = None,
     producer: bool | None = None,
     k_per_stage: int | None = None,
-    n_per_cta: int = 1,
 ) -> object:
     """cute.compile one variant from fake tensors (TVM-FFI, env stream); `staged_epilogue`,
     `stages`, `producer` and `k_per_stage` override the kernel's defaults (the GPU tests cover
-    both sides of each default), `n_per_cta` is the tactic's n tiles per CTA, `no_jit_engine`
-    compiles without loading (no GPU needed)."""
+    both sides of each default), `no_jit_engine` compiles without loading (no GPU needed)."""
     kernel = Sm90Nvfp4W4A16GemmKernel(
         tile_n=tile_n,
         tile_m=tile_m,
@@ -912,7 +818,6 @@ def compile_kernel(
         staged_epilogue=staged_epilogue,
         producer=producer,
         k_per_stage=k_per_stage,
-        n_per_cta=n_per_cta,
     )
     args = fake_operands(moe)
     kw = {"no_jit_engine": True} if no_jit_engine else {}
@@ -924,9 +829,7 @@ def check_targets() -> list[KernelTarget]:
     one must show register-A WGMMA (HGMMA reading an R operand), the prmt decode and TMA; unsplit
     dense / grouped also the staged epilogue (stmatrix, 16-byte stores); split-K the cluster
     barrier and the distributed-shared-memory loads of the reduction. The n64m16, splitk4 and
-    MoE n128m16 variants have the producer warp, the others not. The r variants stream several n
-    tiles per CTA (n_per_cta) and must keep two CTAs per SM, as their one-tile counterparts do
-    (<= 112 registers: 2 x 288 threads in 64K)."""
+    MoE n128m16 variants have the producer warp, the others not."""
     staged = (r"stmatrix\.sync\.aligned\.m8n8\.x4\.trans", r"st\.global\.v4\.b32")
     variants = [
         ("sm90.w4a16_gemm.grouped.n128m256", 128, 256, 1, False, staged),
@@ -944,17 +847,13 @@ def check_targets() -> list[KernelTarget]:
         ("sm90.w4a16_gemm.moe_offs.n128m192", 128, 192, 1, True,  # the MoE prefill tile
          (*staged, r"shfl\.sync\.up\.b32")),
     ]  # fmt: skip
-    variants = [(*v, 1) for v in variants] + [
-        ("sm90.w4a16_gemm.moe_offs.n128m16r4", 128, 16, 1, True, (r"shfl\.sync\.up\.b32",), 4),
-        ("sm90.w4a16_gemm.grouped.n64m16r2", 64, 16, 1, False, (), 2),
-    ]
     return [
         KernelTarget(
             name=name,
             arch="sm_90a",
             compile=(
-                lambda tn=tn, tm=tm, sk=sk, moe=moe, r=r: compile_kernel(
-                    tn, tm, sk, moe, n_per_cta=r, no_jit_engine=True
+                lambda tn=tn, tm=tm, sk=sk, moe=moe: compile_kernel(
+                    tn, tm, sk, moe, no_jit_engine=True
                 )
             ),
             ptx_patterns=(
@@ -968,7 +867,7 @@ def check_targets() -> list[KernelTarget]:
             sass_patterns=(r"HGMMA\.64x\d+x16\.F32\.BF16 R\d+, R\d+, gdesc",),
             # `_compute_stages` gives 128x128 the ring of two CTAs per SM: 2 x 256 threads must
             # fit the 64K registers
-            max_registers=128 if (tn, tm) == (128, 128) else (112 if r > 1 else None),
+            max_registers=128 if (tn, tm) == (128, 128) else None,
         )
-        for name, tn, tm, sk, moe, extra, r in variants
+        for name, tn, tm, sk, moe, extra in variants
     ]
