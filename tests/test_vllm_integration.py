@@ -895,6 +895,27 @@ def test_name_rules_hf_to_native_and_native_untouched(fmt: str) -> None:
         assert mapped(N.native_to_hf(n)) == n, (N.native_to_hf(n), mapped(N.native_to_hf(n)))
 
 
+def test_quantized_layers_name_experts_by_module_or_by_projection() -> None:
+    """In-process: NVIDIA's list names a layer's experts as one module (the repositories' HEAD) or
+    as every projection (`awq_block_size` entries of an earlier revision); both give that layer
+    NVFP4 experts, no other layer (`layers.3` is not `layers.30`) and never the MTP block."""
+    from cutedsl.vllm.quant import is_nvfp4_experts
+
+    entry = {"quant_algo": "NVFP4", "group_size": 16}
+    by_module = {f"layers.{i}.ffn.experts": entry for i in (3, 30)}
+    by_projection = {
+        f"{m}layers.{i}.ffn.experts.{e}.{w}": {**entry, "awq_block_size": 16}
+        for m in ("", "model.") for i in (3, 30) for e in range(4) for w in ("w1", "w2", "w3")
+    }  # fmt: skip
+    for listed in (by_module, by_projection):
+        assert is_nvfp4_experts("model.layers.3.ffn.experts", listed)
+        assert is_nvfp4_experts("model.layers.30.ffn.experts", listed)
+        assert not is_nvfp4_experts("model.layers.4.ffn.experts", listed)
+        assert not is_nvfp4_experts("model.layers.43.mtp_block.ffn.experts", listed)
+    assert not is_nvfp4_experts("model.layers.3.ffn.experts", {"layers.30.ffn.experts": entry})
+    assert is_nvfp4_experts("model.layers.43.mtp_block.ffn.experts", None)  # no list: all
+
+
 @pytest.mark.parametrize("experts,redundant", [(8, 0), (256, 0), (16, 4)])
 def test_expert_mappings_index_finds_what_the_scan_finds(experts: int, redundant: int) -> None:
     """The overlay's indexed lookup in DeepseekV4Model.load_weights returns exactly the entries

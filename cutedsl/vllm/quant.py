@@ -57,9 +57,13 @@ def nvfp4_moe_method_for_fp8_config(layer: FusedMoE) -> QuantizeMethodBase:
 
 def is_nvfp4_experts(prefix: str, quantized_layers: dict | None) -> bool:
     """Whether the FusedMoE at vLLM `prefix` (`model.layers.3.ffn.experts`) holds NVFP4 experts in
-    a checkpoint whose config lists them in ModelOpt's `quantized_layers` (`layers.3.ffn.experts`;
-    the MTP block, `model.layers.{L}.mtp_block.ffn.experts`, is never listed). No list: every
-    routed expert is NVFP4."""
+    a checkpoint whose config lists them in ModelOpt's `quantized_layers`: by module
+    (`layers.3.ffn.experts`, as NVIDIA's DeepSeek-V4 NVFP4 repositories write it) or by projection
+    (`layers.3.ffn.experts.0.w1`, ModelOpt's per-linear form of an earlier revision); a leading
+    `model.` is ignored. The MTP block (`model.layers.{L}.mtp_block.ffn.experts`) is never listed.
+    No list: every routed expert is NVFP4."""
     if quantized_layers is None:
         return True
-    return prefix.removeprefix("model.") in quantized_layers
+    module = prefix.removeprefix("model.")
+    names = (k.removeprefix("model.") for k in quantized_layers)
+    return any(k == module or k.startswith(module + ".") for k in names)
