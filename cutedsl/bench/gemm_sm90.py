@@ -501,13 +501,11 @@ def bench_ours(
         g, n, k = shape.groups, shape.n, shape.k
         n_copies = 1 if shape.kind == "moe" else _copies(weight_bytes(g, n, k))
         wps = [random_prepared_weight(g, n, k) for _ in range(n_copies)]
-        if sweep:  # every tactic the sweep times compiles in parallel, not one by one
-            moe = shape.kind == "moe"
-            jit.prefetch(gemm.jobs({
-                (t, moe) for m in ms
-                for t in candidate_tactics(shape.rows(m) if moe else m, n, k, g, moe, spec=spec,
-                                           grid=sweep == "grid")
-            }))  # fmt: skip
+        moe = shape.kind == "moe"
+        swept = {m: candidate_tactics(shape.rows(m) if moe else m, n, k, g, moe, spec=spec,
+                                      grid=sweep == "grid") for m in ms} if sweep else {}  # fmt: skip
+        # every tactic the sweep times compiles in parallel, not one by one
+        jit.prefetch(gemm.jobs({(t, moe) for cands in swept.values() for t in cands}))
     except Exception as e:  # noqa: BLE001 - one implementation failing never stops the run
         _set(rows_by_m, ms, "ours_error", _err(e))
         return
@@ -550,9 +548,7 @@ def bench_ours(
                 tac = launch_tactic(m, n, k, 1, False, spec)
             r["tactic"] = tactic_list(tac)
             flops = 2.0 * rows * n * k * (g if shape.kind == "grouped" else 1)
-            cands = candidate_tactics(rows if shape.kind == "moe" else m, n, k, g,
-                                      shape.kind == "moe", spec=spec,
-                                      grid=sweep == "grid") if sweep else [tac]  # fmt: skip
+            cands = swept.get(m, [tac])
             times = {}
             for t in cands:
                 if t != tac and not budget.fits(f"ours {shape.name} M={m} tactic {t}"):
