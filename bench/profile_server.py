@@ -213,6 +213,15 @@ def _idle(steps: list[dict]) -> dict:
     }
 
 
+def _grid(ev: dict) -> str | None:
+    """A kernel event's launch grid as "x,y,z" (the profiler's CUPTI args), None for copies and
+    memsets (no grid)."""
+    g = (ev.get("args") or {}).get("grid")
+    if isinstance(g, (list, tuple)) and g:
+        return ",".join(str(int(v)) for v in g)
+    return None
+
+
 def _short(name: str, n: int = 90) -> str:
     return name if len(name) <= n else name[: n - 3] + "..."
 
@@ -282,8 +291,12 @@ class _Acc:
             name = str(ev.get("name", ""))
             ts, dur = float(ev["ts"]), float(ev.get("dur", 0))
             cat = fixed or self.classify(name)
-            row = self.kernels.setdefault(name, {"name": name, "category": cat, "calls": 0,
-                                                 "total_us": 0.0, "decode_us": 0.0})  # fmt: skip
+            # one row per kernel and launch grid: one compiled GEMM serves several shapes (its
+            # grid tells them apart), one elementwise kernel several tensor sizes
+            grid = _grid(ev)
+            key = (name, grid)
+            row = self.kernels.setdefault(key, {"name": name, "grid": grid, "category": cat,
+                                                "calls": 0, "total_us": 0.0})  # fmt: skip
             row["calls"] += 1
             row["total_us"] += dur
             self.n_gpu += 1
@@ -307,7 +320,7 @@ class _Acc:
             st["last"] = ts + dur if st["last"] is None else max(st["last"], ts + dur)
             st["cats"][cat] += dur
             st["cat_n"][cat] += 1
-            st["names"][name] += dur
+            st["names"][key] += dur
             st["k"].append((ts, ts + dur, name, corr if corr in graph_corr else None))
         if intervals:
             self.busy_us += _union_us(intervals)
@@ -365,11 +378,13 @@ class _Acc:
         k_rows = []
         for r in self.kernels.values():
             k_rows.append({
-                "name": r["name"], "category": r["category"], "calls": r["calls"],
+                "name": r["name"], "grid": r["grid"], "category": r["category"], "calls": r["calls"],
                 "total_us": round(r["total_us"], 2),
                 "mean_us": round(r["total_us"] / r["calls"], 3),
                 "pct": round(100 * r["total_us"] / total, 3),
-                "us_per_decode_step": round(name_step[r["name"]] / n_ref, 3) if n_ref else None,
+                "us_per_decode_step": round(name_step[(r["name"], r["grid"])] / n_ref, 3)
+                if n_ref
+                else None,
             })  # fmt: skip
         k_rows.sort(key=lambda r: -r["total_us"])
         idle = _idle(ref)
@@ -467,12 +482,13 @@ def markdown(res: dict, top: int = 30) -> str:
         lines.append(f"| {c['category']} | {c['calls']} | {c['total_us'] / 1e3:.2f} | {c['pct']:.1f} | "
                      f"{_fmt(c['us_per_decode_step'])} |")  # fmt: skip
     lines += ["", f"Top {top} kernels:", "",
-              "| kernel | category | calls | total ms | % | mean us | us per decode step |",
-              "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+              "| kernel | grid | category | calls | total ms | % | mean us | us per decode step |",
+              "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for k in res["kernels"][:top]:
         name = k["name"].replace("|", "\\|")
         name = name if len(name) <= 100 else name[:97] + "..."
-        lines.append(f"| `{name}` | {k['category']} | {k['calls']} | {k['total_us'] / 1e3:.3f} | "
+        grid = k.get("grid") or "-"
+        lines.append(f"| `{name}` | {grid} | {k['category']} | {k['calls']} | {k['total_us'] / 1e3:.3f} | "
                      f"{k['pct']:.2f} | {k['mean_us']:.2f} | {_fmt(k['us_per_decode_step'], '{:.2f}')} |")  # fmt: skip
     lines += _idle_markdown(res)
     for wmsg in res.get("warnings", []):

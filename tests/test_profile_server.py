@@ -177,6 +177,30 @@ def test_parse_synthetic_trace(tmp_path: Path) -> None:
     assert "| `gpu_model_runner: forward` | 50.0 | 0.50 |" in md
 
 
+def test_kernel_rows_per_launch_grid(tmp_path: Path) -> None:
+    """One compiled kernel launched with two grids (two GEMM shapes) is two kernel rows, each
+    with its grid; kernels without a grid (copies) keep one row with none."""
+    ev = _trace()
+    grids = iter([[256, 1, 1], [64, 1, 4]])
+    for e in ev:
+        if e.get("name") == OURS:
+            e["args"]["grid"] = next(grids)
+    p = tmp_path / "rank0.1.pt.trace.json"
+    p.write_text(json.dumps({"traceEvents": ev}))
+    res = ps.parse_traces([str(p)])
+    ours = {k["grid"]: k for k in res["kernels"] if k["name"] == OURS}
+    assert set(ours) == {"256,1,1", "64,1,4"}
+    assert ours["256,1,1"]["calls"] == 1 and ours["256,1,1"]["total_us"] == 10
+    assert ours["256,1,1"]["us_per_decode_step"] == 5.0  # 10 us in one of 2 steps at batch 4
+    assert ours["64,1,4"]["us_per_decode_step"] == 6.0
+    cats = {c["category"]: c for c in res["categories"]}
+    assert cats["cutedsl_w4a16_gemm"]["total_us"] == 22  # the category sums both rows
+    memcpy = [k for k in res["kernels"] if k["name"].startswith("Memcpy")]
+    assert len(memcpy) == 1 and memcpy[0]["grid"] is None
+    md = ps.markdown({**res, "label": "x", "command": "c", "date": "d"})
+    assert "| 256,1,1 | cutedsl_w4a16_gemm | 1 |" in md and "| - | memcpy/memset |" in md
+
+
 def test_two_files_and_missing_graph_kernels(tmp_path: Path) -> None:
     a, b = tmp_path / "a.pt.trace.json", tmp_path / "b.pt.trace.json"
     a.write_text(json.dumps({"traceEvents": _trace()}))
