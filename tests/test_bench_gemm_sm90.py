@@ -352,10 +352,7 @@ def test_candidate_tactics_are_valid_and_start_with_the_launch_tactic():
                 Kern.can_implement(n, k, t.tile_n, t.split_k)
                 and t.tile_m in tactics.TILE_M_VERIFIED
             )
-    # MoE decode rows also time K splits (the rule never splits the MoE)
-    dec = B.candidate_tactics(96, 4096, 4096, 256, True, spec=H200)
-    assert dec[0].split_k == 1 and {t.split_k for t in dec} == {1, 2, 4, 8}
-    assert {t.split_k for t in B.candidate_tactics(8192, 4096, 4096, 256, True, spec=H200)} == {1}
+            assert not moe or t.split_k == 1
     # the launch tactic depends on the GPU (a smaller one splits K less): the spec is honoured
     small = GpuSpec("small", 16)
     c = B.candidate_tactics(1, 1536, 4096, 1, False, spec=small)

@@ -445,8 +445,7 @@ def candidate_tactics(
     m: int, n: int, k: int, groups: int, moe: bool, *, spec: GpuSpec, grid: bool = False
 ) -> list[Tactic]:
     """The launch tactic on the GPU `spec` first, then the tactics worth timing (--sweep).
-    Neighbours: the other tile_n, the next token tile up and down, half / double the K split
-    (MoE: the token tiles <= 32 also split 2, 4 and 8 ways on both tile_n).
+    Neighbours: the other tile_n, the next token tile up and down, half / double the K split.
     Grid (dense / grouped): every tile_n, every verified token tile from the one covering m
     (m <= 32) or from min(m, 256) / 4 up to 2x m, every split 1..8 the kernel takes (1, 2 from
     m = 1024). All valid for the shape."""
@@ -470,14 +469,12 @@ def candidate_tactics(
                   if 0 <= j < len(tiles)]  # fmt: skip
         if not moe:
             cands += [Tactic(tn, tm, max(1, sk // 2)), Tactic(tn, tm, sk * 2)]
-        elif tm <= 32:
-            cands += [Tactic(n_, tm, s) for s in (2, 4, 8) for n_ in (tn, 192 - tn)]
     out: list[Tactic] = []
     kt = k // BK
     for c in cands:
         if c in out or not Kern.can_implement(n, k, c.tile_n, c.split_k) or kt // c.split_k < 2:
             continue
-        if Kern.split_error(c.tile_m, c.split_k):
+        if Kern.split_error(c.tile_m, c.split_k, moe):
             continue
         out.append(c)
     return out

@@ -98,6 +98,8 @@ def _launch(
         tactic = launch_tactic(m, wp.n, k, wp.groups, moe, gpu_spec(a3.device))
     if tactic.tile_m not in TILE_M_VERIFIED:
         raise ValueError(f"tactic {tactic}: tile_m {tactic.tile_m} not in {TILE_M_VERIFIED}")
+    if moe and tactic.split_k != 1:
+        raise NotImplementedError(f"tactic {tactic}: split-K with MoE offsets is not wired")
     if moe and moe_tile_bound(m, wp.groups, tactic.tile_m) > MAX_GRID_Y:
         raise ValueError(
             f"a: {m} rows in token tiles of {tactic.tile_m} give up to "

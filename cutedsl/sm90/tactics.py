@@ -29,7 +29,7 @@ TUNED_DIR = Path(__file__).resolve().parent.parent / "tuned" / "sm90"
 @dataclass(frozen=True, order=True)
 class Tactic:
     """tile_n (64 | 128) weight rows x tile_m (TILE_M_VERIFIED) tokens per CTA, K split over
-    split_k (1..MAX_SPLIT_K) CTAs of one cluster."""
+    split_k (1..MAX_SPLIT_K) CTAs of one cluster (dense / grouped only)."""
 
     tile_n: int
     tile_m: int

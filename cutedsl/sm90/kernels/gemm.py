@@ -13,9 +13,7 @@ Math (per group l):  out[l][m, n] = gs[l] * sum_k a[l][m, k] * (e2m1(w[l][n, k])
 Split-K (split_k = S > 1): the S CTAs of one output tile are one thread-block cluster (1, 1, S)
 along grid.z; each parks its fp32 accumulators in its own shared memory, and after a cluster
 barrier CTA s sums slice s of the tile over the S partials through distributed shared memory, in
-split order (deterministic), and writes `out`. No global scratch, no counters, no atomics. MoE
-tiles split the same way: the S CTAs of a cluster share grid.y, so they find the same tile (or all
-find none and exit together).
+split order (deterministic), and writes `out`. No global scratch, no counters, no atomics.
 MoE mode (`moe=True`): a is (T, K, 1) with the rows of expert e at [offs[e], offs[e+1]) (offs int32
 (E+1,) on the device), out is (N, T, 1). The m tiles of all experts are numbered in expert order
 (expert e has ceil(rows_e / tile_m) of them); grid.y = min(E, T) + T // tile_m bounds their count,
@@ -54,8 +52,8 @@ Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n cons
     too; split-K 4 / 8 store from registers (measured faster there).
   - the ring is as deep as lets two CTAs share an SM where registers allow (`_compute_stages`).
 
-Compile-time: tile_n (64|128), tile_m (16..256, multiple of 8), split_k (1..8, dividing tile_m/2),
-moe, dtypes, stages.
+Compile-time: tile_n (64|128), tile_m (16..256, multiple of 8), split_k (1..8, dividing tile_m/2;
+dense / grouped only), moe, dtypes, stages.
 Runtime: M (or T), the group count, the token and group strides of a and out, offs, pointers,
 stream.
 Graph safety: no host sync; the grid depends on M/T, N, split_k and L only.
@@ -107,7 +105,7 @@ class Sm90Nvfp4W4A16GemmKernel:
             raise ValueError(f"tile_n must be 64 or 128, got {tile_n}")
         if tile_m % 8 != 0 or not 8 <= tile_m <= 256:
             raise ValueError(f"tile_m must be a multiple of 8 in [8, 256], got {tile_m}")
-        err = self.split_error(tile_m, split_k)
+        err = self.split_error(tile_m, split_k, moe)
         if err:
             raise ValueError(err)
         self.tile_n = tile_n
@@ -195,15 +193,17 @@ class Sm90Nvfp4W4A16GemmKernel:
         return deepest
 
     @staticmethod
-    def split_error(tile_m: int, split_k: int) -> str | None:
+    def split_error(tile_m: int, split_k: int, moe: bool) -> str | None:
         """Why the kernel refuses this K split (None if it takes it): a split-K cluster has at
         most MAX_SPLIT_K CTAs, each reducing an equal share of every thread's tile_m / 2
-        accumulators."""
+        accumulators, and the MoE never splits."""
         if split_k < 1 or split_k > MAX_SPLIT_K or (tile_m // 2) % split_k:
             return (
                 f"split_k must be 1..{MAX_SPLIT_K} and divide tile_m/2 = {tile_m // 2}, "
                 f"got {split_k}"
             )
+        if moe and split_k != 1:
+            return "split-K is for dense / grouped GEMMs, not the MoE"
         return None
 
     @staticmethod
@@ -268,7 +268,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         grid = (n_tiles, m_tiles, groups * self.split_k)
         if cutlass.const_expr(self.moe):
             rows_t = cute.size(a, mode=[0])
-            grid = (n_tiles, moe_grid_y(rows_t, groups, self.tile_m, cutlass.min), self.split_k)
+            grid = (n_tiles, moe_grid_y(rows_t, groups, self.tile_m, cutlass.min), 1)
 
         @cute.struct
         class SharedStorage:
@@ -828,8 +828,8 @@ def check_targets() -> list[KernelTarget]:
     """One target per variant: dense/grouped (same kernel, L groups), split-K, MoE offsets. Every
     one must show register-A WGMMA (HGMMA reading an R operand), the prmt decode and TMA; unsplit
     dense / grouped also the staged epilogue (stmatrix, 16-byte stores); split-K the cluster
-    barrier and the distributed-shared-memory loads of the reduction (MoE tiles too). The n64m16,
-    splitk4 and MoE n128m16 / n64m16 variants have the producer warp, the others not."""
+    barrier and the distributed-shared-memory loads of the reduction. The n64m16, splitk4 and
+    MoE n128m16 variants have the producer warp, the others not."""
     staged = (r"stmatrix\.sync\.aligned\.m8n8\.x4\.trans", r"st\.global\.v4\.b32")
     variants = [
         ("sm90.w4a16_gemm.grouped.n128m256", 128, 256, 1, False, staged),
@@ -846,8 +846,6 @@ def check_targets() -> list[KernelTarget]:
          (*staged, r"shfl\.sync\.up\.b32")),
         ("sm90.w4a16_gemm.moe_offs.n128m192", 128, 192, 1, True,  # the MoE prefill tile
          (*staged, r"shfl\.sync\.up\.b32")),
-        ("sm90.w4a16_gemm.moe_offs.n64m16splitk4", 64, 16, 4, True,
-         (r"shfl\.sync\.up\.b32", r"barrier\.cluster\.arrive", r"mapa\.shared::cluster")),
     ]  # fmt: skip
     return [
         KernelTarget(
