@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """One markdown table from bench/upstream_baseline.py result JSONs (vLLM vs the golden reference).
 
-    python bench/e2e_table.py bench/results/h200/e2e_*.json [--golden golden|golden_swa_yarn]
-        [--min-cos 0.99] [--json OUT]
+    python bench/e2e_table.py bench/results/h200/e2e_*.json
+        [--golden auto|golden|golden_swa_yarn|golden_w4a4] [--min-cos 0.99] [--json OUT]
 
-Rows: checkpoint format (and the cutedsl backend, when the run named one) x mode x prompt.
+Rows: checkpoint format (and the cutedsl backend, when the run named one) x mode x prompt, each
+against one reference (column "reference"): --golden auto (the default) takes the W4A4 golden
+where the run has one (an sm100 backend: NVFP4 activations, `golden.load_model(act_quant=
+"nvfp4")`) and the golden otherwise; any other choice takes that reference for every run.
 Columns: prefill cosine (min, mean) and greedy agreement, first generated token, decode steps (min
 cosine, agreement). A last column says whether every position meets --min-cos. A run that named a
 backend ($CUTEDSL_BACKEND) fails unless every cutedsl runner of the model ran on it. Exit 1 if a
@@ -46,11 +49,18 @@ def rows(path: str, golden: str) -> list[dict]:
             out.append({"format": fmt, "mode": mode, "error": error})
             continue
         for v in r.get("vs_golden", []):
-            g = v[golden]
+            ref = golden
+            if golden == "auto":
+                ref = "golden_w4a4" if "golden_w4a4" in v else "golden"
+            if ref not in v:
+                out.append({"format": fmt, "mode": mode, "error": f"no {ref} in {path}"})
+                break
+            g = v[ref]
             out.append(
                 {
                     "format": fmt,
                     "mode": mode,
+                    "reference": ref,
                     "prompt": v["prompt_len"],
                     "prefill_cos_min": g["prefill"]["cos_min"],
                     "prefill_cos_mean": g["prefill"]["cos_mean"],
@@ -67,27 +77,30 @@ def rows(path: str, golden: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+")
-    ap.add_argument("--golden", default="golden", choices=("golden", "golden_swa_yarn"))
+    ap.add_argument(
+        "--golden", default="auto", choices=("auto", "golden", "golden_swa_yarn", "golden_w4a4")
+    )
     ap.add_argument("--min-cos", type=float, default=0.99)
     ap.add_argument("--json", help="also write rows, provenance and verdict to this file")
     a = ap.parse_args(argv)
     all_rows = [r for f in a.files for r in rows(f, a.golden)]
     print(
-        f"| checkpoint | mode | prompt | prefill cos min / mean | prefill agree | first-token cos "
-        f"| decode steps | decode cos min | decode agree | all cos >= {a.min_cos} |"
+        f"| checkpoint | mode | reference | prompt | prefill cos min / mean | prefill agree "
+        f"| first-token cos | decode steps | decode cos min | decode agree | all cos >= {a.min_cos} |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     ok = True
     for r in all_rows:
         if "error" in r:
             ok = False
-            print(f"| {r['format']} | {r['mode']} | - | failed: {r['error'][:80]} |||||||")
+            print(f"| {r['format']} | {r['mode']} | - | - | failed: {r['error'][:80]} |||||||")
             continue
         good = min(r["prefill_cos_min"], r["first_cos"], r["decode_cos_min"]) >= a.min_cos
         r["meets_min_cos"] = good
         ok &= good
         print(
-            f"| {r['format']} | {r['mode']} | {r['prompt']} | {r['prefill_cos_min']:.4f} / "
+            f"| {r['format']} | {r['mode']} | {r['reference']} | {r['prompt']} | "
+            f"{r['prefill_cos_min']:.4f} / "
             f"{r['prefill_cos_mean']:.4f} | {r['prefill_agree']:.3f} | {r['first_cos']:.4f} | "
             f"{r['decode_steps']} | {r['decode_cos_min']:.4f} | {r['decode_agree']:.3f} | "
             f"{'yes' if good else 'NO'} |"

@@ -25,7 +25,9 @@ Needs a GPU and vLLM 0.21.0 (scripts/gpu/e2e.sh runs every format at once). Step
     vLLM's generated tokens (teacher forcing): per position cosine of the centred log-prob
     vectors and greedy-token agreement, for prefill positions and each decode step; also against
     the golden with `swa_rope="vllm"` (vLLM 0.21.0 applies YaRN to sliding-window layers, HF and
-    DeepSeek's reference do not).
+    DeepSeek's reference do not); with an sm100 backend ($CUTEDSL_BACKEND sm100 or
+    sm100-emulated) also against the W4A4 golden (`golden_w4a4`: the inputs of the GEMMs that
+    backend runs with NVFP4 activations rounded to NVFP4, `golden.load_model(act_quant="nvfp4")`).
  5. One JSON with the command, date, device, versions and all numbers (--out); the dense
     log-prob tensors go next to it as <out>.pt.
 
@@ -559,6 +561,9 @@ def main() -> int:
             "golden": load_model(args.ckpt, dev),
             "golden_swa_yarn": load_model(args.ckpt, dev, swa_rope="vllm"),
         }
+        if (result.get("backend") or "").startswith("sm100"):
+            # what the W4A4 backend computes: its NVFP4 activations rounded the same way
+            golden["golden_w4a4"] = load_model(args.ckpt, dev, act_quant="nvfp4")
         result["golden_load_s"] = round(time.time() - t0, 1)
         for mode, dense in dense_all.items():
             result["modes"][mode]["vs_golden"] = compare(args.ckpt, dense, golden)

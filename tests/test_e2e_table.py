@@ -34,7 +34,7 @@ def test_rows_and_bound(tmp_path: Path, capsys) -> None:
     rc, out = _run(tmp_path, capsys, _result(0.993))
     assert (
         rc == 0
-        and "| nvfp4 | eager | 17 | 0.9950 / 0.9980 |" in out
+        and "| nvfp4 | eager | golden | 17 | 0.9950 / 0.9980 |" in out
         and out.strip().endswith("yes |")
     )
     rc, out = _run(tmp_path, capsys, _result(0.95))
@@ -54,7 +54,7 @@ def test_named_backend_must_have_run(tmp_path: Path, capsys) -> None:
     mode = res["modes"]["eager"]
     mode["cutedsl_runners"] = {"Nvfp4Linear:sm100-emulated": 9, "Nvfp4MoE:sm100-emulated": 4}
     rc, out = _run(tmp_path, capsys, res)
-    assert rc == 0 and "| nvfp4 / sm100-emulated | eager | 17 |" in out
+    assert rc == 0 and "| nvfp4 / sm100-emulated | eager | golden | 17 |" in out
     mode["cutedsl_runners"]["Nvfp4MoE:sm90"] = 1
     rc, out = _run(tmp_path, capsys, res)
     assert rc == 1 and "runners not on sm100-emulated: Nvfp4MoE:sm90" in out
@@ -76,3 +76,25 @@ def test_json_output(tmp_path: Path, capsys) -> None:
     assert (run["file"], run["backend"], run["device"]) == ("e2e.json", "sm100-emulated",
                                                             "NVIDIA H200")  # fmt: skip
     assert run["modes"]["eager"]["cutedsl_runners"] == {"Nvfp4Linear:sm100-emulated": 1}
+
+
+def test_w4a4_reference(tmp_path: Path, capsys) -> None:
+    """--golden auto (the default) compares a run that has the W4A4 golden (sm100 backends)
+    against it, others against the golden; naming a reference a run lacks fails that run."""
+    res = _result(0.95)  # far from the W4A16 golden (the activation rounding)
+    w4a4 = {
+        "prefill": {"cos_min": 0.996, "cos_mean": 0.999, "greedy_agree": 0.99},
+        "first_token": {"cos": 0.997, "agree": True},
+        "decode": {"steps": 16, "cos_min": 0.995, "agree_frac": 1.0},
+    }
+    res["modes"]["eager"]["vs_golden"][0]["golden_w4a4"] = w4a4
+    rc, out = _run(tmp_path, capsys, res)
+    assert rc == 0 and "| nvfp4 | eager | golden_w4a4 | 17 | 0.9960 / 0.9990 |" in out
+    p = tmp_path / "e2e.json"
+    assert e2e_table.main([str(p), "--golden", "golden"]) == 1
+    assert "| nvfp4 | eager | golden | 17 |" in capsys.readouterr().out
+    rc, out = _run(tmp_path, capsys, _result(0.999))
+    assert rc == 0 and "| eager | golden | 17 |" in out  # auto: no W4A4 golden in the run
+    p.write_text(json.dumps(_result(0.999)))
+    assert e2e_table.main([str(p), "--golden", "golden_w4a4"]) == 1
+    assert "failed: no golden_w4a4 in" in capsys.readouterr().out

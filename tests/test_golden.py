@@ -165,3 +165,134 @@ def test_rope_vs_vllm_cos_sin_cache(tmp_path):
     assert d["compress/hf"] < 1e-6 and d["compress/vllm"] < 1e-6, d
     assert d["main/vllm"] < 1e-6, d
     assert d["main/hf"] > 0.1, d  # the known vLLM 0.21.0 SWA-YaRN difference
+
+
+# --------------------------------------------------------------------------- W4A4 golden
+
+
+@pytest.fixture(scope="module")
+def w4a4_ckpts(tmp_path_factory):
+    """MICRO checkpoints in the three formats our SM100 backend serves; in the nvfp4 one, a fused
+    pair and one expert carry a larger input scale than their GEMM's other members."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("w4a4")
+    out = {}
+    for fmt in ("nvfp4", "nvidia-mixed", "ct-nvfp4-fp8"):
+        p = str(root / fmt)
+        TM.generate(p, fmt, "native", "tiny", seed=5, overrides=MICRO)
+        out[fmt] = p
+    shard = next(f for f in os.listdir(out["nvfp4"]) if f.endswith(".safetensors"))
+    t = load_file(os.path.join(out["nvfp4"], shard))
+    s = t["layers.0.attn.wq_a.input_scale"]
+    t["layers.0.attn.wkv.input_scale"] = s * 2
+    t["layers.0.ffn.experts.3.w2.input_scale"] = s * 3
+    t["layers.0.ffn.shared_experts.w1.input_scale"] = s / 2
+    save_file(t, os.path.join(out["nvfp4"], shard), metadata={"format": "pt"})
+    return out
+
+
+def test_w4a4_input_scales_per_format(w4a4_ckpts):
+    """Which GEMMs the W4A4 golden rounds, with which scale: our runners' NVFP4 projections (never
+    the indexer's wq_b, never an FP8 projection); one scale per GEMM, the max of its members; the
+    compressed-tensors divisor read as its reciprocal."""
+    from cutedsl import formats
+
+    s = float(formats.global_scale_from_amax(TM.DEFAULT_INPUT_AMAX))
+    L = TM.make_config("tiny", "nvfp4", MICRO)["num_hidden_layers"]
+    attn = ["q_a_proj", "kv_proj", "q_b_proj", "o_a_proj", "o_b_proj"]
+    shared = ["gate_proj", "up_proj", "down_proj"]
+    want = {
+        "nvfp4": [f"self_attn.{m}" for m in attn] + [f"mlp.shared_experts.{m}" for m in shared]
+        + ["mlp.experts"],
+        "nvidia-mixed": ["mlp.experts"],
+        "ct-nvfp4-fp8": [f"mlp.shared_experts.{m}" for m in shared] + ["mlp.experts"],
+    }  # fmt: skip
+    for fmt, mods in want.items():
+        got = G.w4a4_input_scales(w4a4_ckpts[fmt])
+        assert set(got) == {f"model.layers.{i}.{m}" for i in range(L) for m in mods}, fmt
+        for name, sc in got.items():
+            if name.endswith("mlp.experts"):
+                assert set(sc) == {"input", "down"}, name
+            if not name.startswith("model.layers.0.") or fmt != "nvfp4":
+                assert all(v == pytest.approx(s, rel=1e-6) for v in sc.values()), (fmt, name, sc)
+    got = G.w4a4_input_scales(w4a4_ckpts["nvfp4"])
+    lay = "model.layers.0."
+    assert got[lay + "self_attn.q_a_proj"]["input"] == pytest.approx(2 * s, rel=1e-6)
+    assert got[lay + "self_attn.kv_proj"]["input"] == pytest.approx(2 * s, rel=1e-6)
+    assert got[lay + "mlp.experts"] == pytest.approx({"input": s, "down": 3 * s}, rel=1e-6)
+    assert got[lay + "mlp.shared_experts.gate_proj"]["input"] == pytest.approx(s, rel=1e-6)
+    assert got[lay + "self_attn.q_b_proj"]["input"] == pytest.approx(s, rel=1e-6)
+
+
+def test_w4a4_golden_matches_the_w4a4_reference_ops(w4a4_ckpts):
+    """The W4A4 golden's modules compute what `cutedsl.reference` states for act="nvfp4" (a
+    linear, the routed experts) on fresh random inputs, and differ from the W4A16 statement."""
+    from cutedsl import reference as ref
+    from cutedsl.tools.checkpoint import Checkpoint
+
+    path = w4a4_ckpts["nvfp4"]
+    ck = Checkpoint(path)
+    scales = G.w4a4_input_scales(path)
+    m = G.load_model(path, act_quant="nvfp4")
+    lay = m.model.layers[0]
+    g = torch.Generator().manual_seed(3)
+
+    def lin(name):
+        return tuple(
+            ck.get(f"{name}.{leaf}") for leaf in ("weight", "weight_scale", "weight_scale_2")
+        )
+
+    x = torch.randn(9, lay.self_attn.q_b_proj.in_features, generator=g)
+    s = scales["model.layers.0.self_attn.q_b_proj"]["input"]
+    got = lay.self_attn.q_b_proj(x)
+    w4a4 = ref.nvfp4_linear_ref(x, *lin("layers.0.attn.wq_b"), act="nvfp4", input_scale=s)
+    w4a16 = ref.nvfp4_linear_ref(x, *lin("layers.0.attn.wq_b"))
+    assert torch.allclose(got, w4a4, rtol=1e-5, atol=1e-5 * float(w4a4.abs().max()))
+    assert not torch.allclose(got, w4a16, rtol=1e-2, atol=1e-2 * float(w4a16.abs().max()))
+
+    ex = lay.mlp.experts
+    E = ex.num_experts
+    hid = torch.randn(11, ex.hidden_dim, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(11)])
+    wts = torch.rand(11, 2, generator=g)
+    got = ex(hid, ids, wts)
+    w13 = [torch.cat([ck.get(f"layers.0.ffn.experts.{e}.{w}.{leaf}") for w in ("w1", "w3")])
+           for e in range(E) for leaf in ("weight", "weight_scale")]  # fmt: skip
+    w13_packed, w13_sf = torch.stack(w13[0::2]), torch.stack(w13[1::2])
+    w13_gs = torch.stack([ck.get(f"layers.0.ffn.experts.{e}.w1.weight_scale_2") for e in range(E)])
+    w2 = [ck.get(f"layers.0.ffn.experts.{e}.w2.{leaf}") for e in range(E)
+          for leaf in ("weight", "weight_scale", "weight_scale_2")]  # fmt: skip
+    sc = scales["model.layers.0.mlp.experts"]
+    args = (hid, ids, wts, w13_packed, w13_sf, w13_gs, torch.stack(w2[0::3]), torch.stack(w2[1::3]),
+            torch.stack(w2[2::3]), ex.limit)  # fmt: skip
+    want = ref.nvfp4_moe_ref(*args, act="nvfp4", a13_scale=sc["input"], a2_scale=sc["down"])
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    w4a16 = ref.nvfp4_moe_ref(*args)
+    assert not torch.allclose(got, w4a16, rtol=1e-2, atol=1e-2 * float(w4a16.abs().max()))
+
+
+def test_w4a4_golden_cli_and_errors(w4a4_ckpts, ckpts, capsys):
+    """`--act-quant nvfp4` runs; a checkpoint without NVFP4 input scales is refused by name."""
+    assert G.main([w4a4_ckpts["nvidia-mixed"], "--random", "8", "--act-quant", "nvfp4"]) == 0
+    assert "T=8" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no NVFP4 projection with an input scale"):
+        G.load_model(ckpts[("native", "native")], act_quant="nvfp4")
+    with pytest.raises(ValueError, match="act_quant"):
+        G.load_model(w4a4_ckpts["nvfp4"], act_quant="fp8")
+
+
+def test_w4a4_bad_input_scale_is_named(tmp_path):
+    """An input scale that is not one positive value is refused with the tensor and the file."""
+    from safetensors.torch import load_file, save_file
+
+    from cutedsl.tools.checkpoint import CheckpointError
+
+    p = str(tmp_path / "bad")
+    TM.generate(p, "nvfp4", "native", "tiny", seed=5, overrides=MICRO)
+    shard = os.path.join(p, next(f for f in os.listdir(p) if f.endswith(".safetensors")))
+    t = load_file(shard)
+    t["layers.1.attn.wo_b.input_scale"] = -t["layers.1.attn.wo_b.input_scale"]
+    save_file(t, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers\.1\.attn\.wo_b\.input_scale: .*positive"):
+        G.w4a4_input_scales(p)

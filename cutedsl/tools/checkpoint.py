@@ -43,6 +43,7 @@ __all__ = [
     "nvfp4_to_ct",
     "Checkpoint",
     "read_linear",
+    "read_input_scale",
     "has_mtp_block",
     "validate_layout",
     "foreign_entries",
@@ -421,6 +422,25 @@ def read_linear(
     raise CheckpointError(
         f"tensor {name}.weight: dtype {w.dtype} with scale {scale_name!r} is no known storage"
     )
+
+
+def read_input_scale(ck: Checkpoint, name: str) -> torch.Tensor | None:
+    """The static activation scale of linear `name` (in ck's scheme, without leaf), fp32 0-dim in
+    ModelOpt's convention (multiply to dequantize): its `.input_scale`, or the reciprocal of
+    compressed-tensors' `.input_global_scale` (a divisor); None where it has neither (FP8, MXFP4,
+    plain weights). Raises CheckpointError unless the scale is one positive finite value."""
+    for leaf, divisor in (("input_scale", False), ("input_global_scale", True)):
+        full = f"{name}.{leaf}"
+        if not ck.has(full):
+            continue
+        t = ck.get(full).double().reshape(-1)
+        if t.numel() != 1 or not bool(torch.isfinite(t[0]) and t[0] > 0):
+            raise CheckpointError(
+                f"tensor {full}: expected one positive finite value, got {t.tolist()[:4]} "
+                f"({os.path.join(ck.path, ck.files[full])})"
+            )
+        return (1.0 / t[0] if divisor else t[0]).float()
+    return None
 
 
 def has_mtp_block(ck: Checkpoint) -> bool:

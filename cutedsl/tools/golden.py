@@ -1,7 +1,8 @@
 """Golden reference: HF transformers 5.17.0 `DeepseekV4ForCausalLM` on dequantized weights.
 
     dsv4-golden CKPT (--tokens 1,2,3 | --random N [--seed S]) [--out logits.pt [--force]]
-        [--device cpu|cuda] [--dtype float32|bfloat16] [--swa-rope hf|vllm] [--rms]
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--swa-rope hf|vllm] [--act-quant nvfp4]
+        [--rms]
     (or python -m cutedsl.tools.golden ...)
 
 Loads any checkpoint `cutedsl.tools.tiny_model` writes (native, native-fp8, nvfp4, nvidia-mixed,
@@ -18,11 +19,15 @@ layer), instead of plain RoPE theta=rope_theta as HF and DeepSeek's reference do
 `inference/model.py`: "disable YaRN ... in pure sliding-window attention"). Use it to separate that
 known difference from real bugs.
 
+`--act-quant nvfp4` rounds the input of every GEMM the SM100 backend runs W4A4 to NVFP4 with
+its static input scale (`quantize_activations`): the golden reference of that backend, whose
+activation rounding the default W4A16 golden does not model.
+
 The arguments, the checkpoint's config.json, shard headers and tensor layout, the token ids
 (inside the vocabulary) and the --out folder are all checked before the model is built; --out is
 written beside itself and renamed (mode from the umask), and is not replaced without --force.
 
-API: `load_model(ckpt, device, dtype, swa_rope)`, `golden_logits(model, token_ids)` -> float32
+API: `load_model(ckpt, device, dtype, swa_rope, act_quant)`, `golden_logits(model, token_ids)` -> float32
 [T, V] (one full causal forward: logits at position t depend on tokens <= t only, so it serves
 prefill and teacher-forced decode positions alike), `layer_rms(model, token_ids)`.
 """
@@ -36,15 +41,18 @@ import tempfile
 
 import torch
 
+from cutedsl import formats
 from cutedsl import names as N
 from cutedsl.tools import cli
-from cutedsl.tools.checkpoint import Checkpoint, read_linear, validate_layout
+from cutedsl.tools.checkpoint import Checkpoint, read_input_scale, read_linear, validate_layout
 from cutedsl.tools.cli import UsageError
 from cutedsl.tools.schema import detect_format, tensor_specs
 
 __all__ = [
     "hf_config",
     "dequantized_state_dict",
+    "w4a4_input_scales",
+    "quantize_activations",
     "load_model",
     "golden_logits",
     "logprob_cosine",
@@ -113,14 +121,112 @@ def dequantized_state_dict(
     return sd
 
 
+def w4a4_input_scales(ckpt: str) -> dict[str, dict[str, float]]:
+    """The static activation scale of every GEMM the SM100 backend runs with NVFP4 activations
+    (W4A4), per HF module whose input that GEMM quantizes: {module: {"input": s}}, and for the
+    routed experts {"model.layers.L.mlp.experts": {"input": s13, "down": s2}} (s2 quantizes the
+    SwiGLU output that down_proj reads).
+
+    Those GEMMs are the NVFP4 projections of our runners: fused_wqa_wkv (wq_a + wkv: q_a_proj
+    and kv_proj read the same input), wq_b, wo_a, wo_b, the shared experts' w13 (w1 + w3) and w2,
+    the routed experts' w13 and w2. One GEMM takes one scale: the max over its members (a fused
+    pair, every expert), as vLLM keeps it and `cutedsl.sm100.runners` passes it. A projection
+    stored in another format (FP8, MXFP4) has no input scale and is left out; so is the
+    indexer's wq_b (upstream's linear method, not ours)."""
+    ck = Checkpoint(ckpt)
+    cfg = ck.config
+    groups: dict[str, list[str]] = {}  # GEMM -> its native projections
+    for s in tensor_specs(cfg):
+        if s.kind != "linear" or ".indexer." in s.name:
+            continue
+        if s.role == "expert":  # layers.L.ffn.experts.E.wX -> layers.L.ffn.experts.{w13,w2}
+            head, _, which = s.name.rsplit(".", 2)
+            key = f"{head}.{'w2' if which == 'w2' else 'w13'}"
+        else:
+            key = s.fuse or s.name
+        groups.setdefault(key, []).append(s.name)
+    out: dict[str, dict[str, float]] = {}
+    for key, members in groups.items():
+        scales = [read_input_scale(ck, N.to_scheme(m, ck.scheme)) for m in members]
+        if any(v is None for v in scales):
+            continue  # not NVFP4 (or a fused group stored otherwise): no W4A4 GEMM
+        scale = max(float(v) for v in scales)
+        if ".ffn.experts." in key:
+            layer = int(key.split(".")[1])
+            mod = N.hf_expert_param(layer, "down_proj").rsplit(".", 1)[0]
+            out.setdefault(mod, {})["down" if key.endswith(".w2") else "input"] = scale
+            continue
+        for m in members:
+            out[N.native_to_hf(f"{m}.weight").removesuffix(".weight")] = {"input": scale}
+    return out
+
+
+def _round_nvfp4(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x rounded to NVFP4 as one GEMM's activation: e2m1 values in blocks of 16 along the last
+    dimension with dynamic e4m3 block scales under the static global `scale` (vLLM's
+    ref_nvfp4_quant arithmetic, `cutedsl.formats`), dequantized back to x's dtype."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    gs = torch.tensor(scale, dtype=torch.float32, device=x.device)
+    q = formats.quantize_nvfp4_activation(rows, gs)
+    return formats.dequantize_nvfp4(*q, torch.float32).reshape(x.shape).to(x.dtype)
+
+
+def quantize_activations(model, ckpt: str) -> int:
+    """Make `model` (`load_model`'s, of checkpoint `ckpt`) compute with NVFP4 activations where
+    the SM100 backend does (`w4a4_input_scales`): each such GEMM's input is rounded to NVFP4 with
+    its static scale before the fp32 product, so the model is the W4A4 golden reference of that
+    backend. Returns the number of modules changed; raises ValueError when the checkpoint has no
+    NVFP4 projection with an input scale (nothing would change)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
+
+    class _W4A4Experts(DeepseekV4Experts):
+        """The SwiGLU output rounded to NVFP4 before down_proj reads it."""
+
+        w4a4_down: float
+
+        def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+            return _round_nvfp4(super()._apply_gate(gate_up), self.w4a4_down)
+
+    scales = w4a4_input_scales(ckpt)
+    if not scales:
+        raise ValueError(
+            f"golden: {ckpt} has no NVFP4 projection with an input scale: no W4A4 GEMM"
+        )
+    mods = dict(model.named_modules())
+    missing = sorted(set(scales) - set(mods))
+    if missing:
+        raise RuntimeError(
+            f"golden: the HF model has no module {missing[0]} ({len(missing)} missing)"
+        )
+    for name, sc in scales.items():
+        mod = mods[name]
+        if "input" in sc:
+            mod.register_forward_pre_hook(
+                lambda _m, args, s=sc["input"]: (_round_nvfp4(args[0], s), *args[1:])
+            )
+        if "down" in sc:
+            if type(mod) is not DeepseekV4Experts:
+                raise RuntimeError(f"golden: {name} is a {type(mod).__name__}, not the HF experts")
+            mod.__class__ = _W4A4Experts
+            mod.w4a4_down = sc["down"]
+    return len(scales)
+
+
 def load_model(
-    ckpt: str, device: str = "cpu", dtype: torch.dtype = torch.float32, swa_rope: str = "hf"
+    ckpt: str,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    swa_rope: str = "hf",
+    act_quant: str | None = None,
 ):
     """HF DeepseekV4ForCausalLM holding the dequantized weights of `ckpt`, eval mode, on device.
 
     Every parameter and persistent buffer is loaded from the checkpoint (strict); raises
-    RuntimeError naming missing/unexpected keys otherwise.
+    RuntimeError naming missing/unexpected keys otherwise. act_quant "nvfp4": the W4A4 golden
+    of the SM100 backend (`quantize_activations`); None: activations stay in `dtype`.
     """
+    if act_quant not in (None, "nvfp4"):
+        raise ValueError(f"act_quant must be None or 'nvfp4', got {act_quant!r}")
     from transformers import DeepseekV4ForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -144,6 +250,8 @@ def load_model(
         )
     for p in model.parameters():
         p.requires_grad_(False)
+    if act_quant == "nvfp4":
+        quantize_activations(model, ckpt)
     return model.eval()
 
 
@@ -264,6 +372,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("hf", "vllm"),
         help="RoPE of the sliding-window layers: plain (hf) or YaRN as vLLM 0.21.0 applies it",
     )
+    ap.add_argument(
+        "--act-quant",
+        default=None,
+        choices=("nvfp4",),
+        help="nvfp4: round the inputs of the GEMMs the SM100 backend runs W4A4 to NVFP4 with "
+        "their static input scales (that backend's golden reference); default: none",
+    )
     ap.add_argument("--rms", action="store_true", help="print per-layer activation RMS")
     a = ap.parse_args(argv)
     return cli.run(ap.prog, lambda: _main(a), a.debug)
@@ -297,7 +412,7 @@ def _main(a) -> int:
     else:
         gen = torch.Generator().manual_seed(a.seed)
         ids = torch.randint(2, vocab, (a.random,), generator=gen).tolist()
-    model = load_model(a.ckpt, a.device, getattr(torch, a.dtype), a.swa_rope)
+    model = load_model(a.ckpt, a.device, getattr(torch, a.dtype), a.swa_rope, a.act_quant)
     if a.rms:
         for k, v in layer_rms(model, ids).items():
             print(f"{k:24s} {v:.4f}")
