@@ -24,7 +24,9 @@ record: label, requested_shape, shape, input_len, output_len, concurrency, num_p
 CLI's own benchmark duration), wall_s (subprocess wall time, including the CLI's vLLM import),
 output_throughput / total_token_throughput (tok/s), request_throughput (req/s),
 {mean,median,p90,p99}_{ttft,tpot,itl,e2el}_ms, total_input_tokens, total_output_tokens,
-max_output_tokens_per_s, command (exact argv as a shell string), and error (tail of the CLI's
+max_output_tokens_per_s, command (exact argv as a shell string), server (the change over the
+run of the server's own counters from /metrics: preemptions, queue_s, engine_steps,
+prefix_cache_hit_tokens; null when /metrics cannot be read), and error (tail of the CLI's
 output) when status is not "ok". "ok" means rc 0 and completed == num_prompts.
 
 --time-budget S: no new run starts once the remaining budget is smaller than the previous run's
@@ -64,6 +66,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -186,6 +189,54 @@ def warmup(base_url: str, model: str, prompt_len: int, n: int, max_tokens: int, 
         errors.append(f"warm-up still running after {timeout:.0f} s")
     return {"n": n, "prompt_len": prompt_len, "max_tokens": max_tokens,
             "wall_s": round(time.monotonic() - t0, 2), "errors": errors[:5]}  # fmt: skip
+
+
+# vLLM 0.21.0's cumulative server-side series (Prometheus names of its V1 metrics) whose change
+# over one run explains that run: requests preempted for KV room, seconds requests waited in the
+# queue (summed), engine steps, prompt tokens served from the prefix cache.
+SERVER_SERIES = {
+    "preemptions": "vllm:num_preemptions_total",
+    "queue_s": "vllm:request_queue_time_seconds_sum",
+    "engine_steps": "vllm:iteration_tokens_total_count",
+    "prefix_cache_hit_tokens": "vllm:prefix_cache_hits_total",
+}
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{.*\})?\s+(\S+)")
+
+
+def parse_series(text: str) -> dict[str, float]:
+    """Prometheus text -> {series name: value summed over its label sets}."""
+    vals: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            try:
+                vals[m[1]] = vals.get(m[1], 0.0) + float(m[2])
+            except ValueError:
+                continue
+    return vals
+
+
+def server_counters(base_url: str, timeout: float = 5.0) -> dict[str, float | None] | None:
+    """SERVER_SERIES from the server's /metrics (None per series it does not report); None when
+    /metrics cannot be read."""
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout) as r:
+            vals = parse_series(r.read().decode("utf-8", "replace"))
+    except (OSError, ValueError):
+        return None
+    return {k: vals.get(name) for k, name in SERVER_SERIES.items()}
+
+
+def counter_delta(before: dict | None, after: dict | None) -> dict[str, float | None] | None:
+    """after - before per series (None where either side lacks it); None without both reads."""
+    if before is None or after is None:
+        return None
+    return {
+        k: None if before.get(k) is None or after.get(k) is None else round(after[k] - before[k], 3)
+        for k in SERVER_SERIES
+    }
 
 
 def server_max_model_len(base_url: str, model: str, timeout: float = 10.0) -> int | None:
@@ -538,6 +589,7 @@ def _loop(
             cmd = bench_command(a, inp, outl, conc, n, rdir, rfile, rec["seed"])
             timeout = a.run_timeout if remaining is None else min(a.run_timeout, remaining)
             rec["command"] = shlex.join(cmd)
+            before = server_counters(a.base_url)
             try:
                 if a.in_process:
                     rc, wall, tail = _run_in_process(cmd, log_dir / f"{tag}.log")
@@ -553,6 +605,7 @@ def _loop(
                 return 143 if isinstance(e, _Interrupted) else 130
             prev_wall = wall
             rec["wall_s"] = round(wall, 2)
+            rec["server"] = counter_delta(before, server_counters(a.base_url))
             rpath = Path(rdir) / rfile
             if rpath.exists():
                 rec.update(_record(json.loads(rpath.read_text())))

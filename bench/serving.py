@@ -267,6 +267,18 @@ def build_records(
                 "num_prompts": first.get("num_prompts"),
                 "repeats_output_tok_s": [round(t, 1) for t in tok],
                 "repeat_spread_pct": _r(spread, 1),
+                # each repeat with what the server itself counted over it (serve_bench's
+                # `server`: null where /metrics was not read): what makes two repeats differ
+                "repeats": [
+                    {
+                        "output_tok_s": round(r["output_throughput"], 1),
+                        "tpot_p50_ms": _r(r.get("median_tpot_ms"), 3),
+                        "ttft_p50_ms": _r(r.get("median_ttft_ms"), 1),
+                        "duration_s": _r(r.get("duration"), 2),
+                        **(r.get("server") or {}),
+                    }
+                    for r in rs
+                ],
                 "step_bytes": round(sb["total"]),
                 "step_bytes_parts": {k: round(v) for k, v in sb.items() if k != "total"},
                 "roofline_us": round(roof_us, 1),
@@ -341,7 +353,31 @@ def markdown(records: list[dict], prov: dict) -> str:
         "busy %: step GPU us over TPOT p50.",
         "",
     ]
+    lines += _repeats_markdown(records)
     return "\n".join(lines)
+
+
+def _repeats_markdown(records: list[dict]) -> list[str]:
+    """Every repeat of every point, with the server's own counts over it."""
+    rows = [(r, k, rep) for r in records for k, rep in enumerate(r.get("repeats") or [])]
+    if not rows:
+        return []
+    lines = [
+        "Repeats: each run of each point, with what the server counted over it (`/metrics`: "
+        "requests preempted, seconds requests waited in its queue, summed, engine steps).",
+        "",
+        "| impl | shape | conc | repeat | tok/s | TPOT p50 ms | TTFT p50 ms | duration s "
+        "| preemptions | queue s | engine steps |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r, k, rep in rows:
+        lines.append(
+            f"| {r['impl']} | {r['shape']} | {r['concurrency']} | {k} | {_f(rep['output_tok_s'])} "
+            f"| {_f(rep['tpot_p50_ms'], '{:.2f}')} | {_f(rep['ttft_p50_ms'], '{:.0f}')} "
+            f"| {_f(rep['duration_s'], '{:.1f}')} | {_f(rep.get('preemptions'), '{:.0f}')} "
+            f"| {_f(rep.get('queue_s'), '{:.1f}')} | {_f(rep.get('engine_steps'), '{:.0f}')} |"
+        )
+    return lines + [""]
 
 
 def plot(records: list[dict], path: str) -> None:

@@ -172,6 +172,7 @@ def test_end_to_end_real_cli(tok_dir: Path, tmp_path: Path) -> None:
     assert all(s["ignore_eos"] and s["stream"] and s["temperature"] == 0.0 for s in seen)
     assert all(s["stream_options"] == {"include_usage": True} for s in seen)
     assert len({s["prompt"] for s in seen}) > 1  # random prompts, not one repeated string
+    assert all(r["server"] is None for r in runs)  # the stub has no /metrics
 
 
 def test_budget_timeout_and_skip(tok_dir: Path, tmp_path: Path) -> None:
@@ -464,3 +465,50 @@ def test_warmup_per_concurrency(tmp_path: Path) -> None:
         assert json.loads(out.read_text())["header"]["warmups"][-1]["key"] == "16x8@c2"
     finally:
         srv.shutdown()
+
+
+def test_server_counters_over_a_run() -> None:
+    """The server's own counters: parsed from Prometheus text (summed over label sets), read
+    before and after a run, their change recorded; a server without /metrics gives None."""
+    text = "\n".join([
+        "# HELP vllm:num_preemptions_total preemptions",
+        'vllm:num_preemptions_total{engine="0",model_name="m"} 3.0',
+        'vllm:num_preemptions_total{engine="1",model_name="m b}"} 2.0',
+        'vllm:iteration_tokens_total_count{engine="0"} 120',
+        'vllm:request_queue_time_seconds_sum{engine="0"} 1.5',
+        "vllm:kv_cache_usage_perc 0.25",
+    ])  # fmt: skip
+    got = serve_bench.parse_series(text)
+    assert got["vllm:num_preemptions_total"] == 5.0 and got["vllm:kv_cache_usage_perc"] == 0.25
+    steps = [100]
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            if self.path != "/metrics":
+                self.send_error(404)
+                return
+            steps[0] += 37
+            body = (f'vllm:iteration_tokens_total_count{{engine="0"}} {steps[0]}\n'
+                    f"vllm:num_preemptions_total 2\n").encode()  # fmt: skip
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        before, after = serve_bench.server_counters(url), serve_bench.server_counters(url)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert before["engine_steps"] == 137 and before["queue_s"] is None
+    d = serve_bench.counter_delta(before, after)
+    assert d == {"preemptions": 0.0, "queue_s": None, "engine_steps": 37.0,
+                 "prefix_cache_hit_tokens": None}  # fmt: skip
+    assert serve_bench.server_counters(url, timeout=1.0) is None  # server gone
+    assert serve_bench.counter_delta(None, after) is None

@@ -127,7 +127,12 @@ def _serve(impl: str, rng: random.Random) -> dict:
                              "repeat": rep, "status": "ok", "num_prompts": c,
                              "output_throughput": rng.uniform(100, 5000),
                              "median_tpot_ms": rng.uniform(2, 20), "p99_tpot_ms": 30.0,
-                             "median_ttft_ms": rng.uniform(10, 900), "p99_ttft_ms": 999.0})  # fmt: skip
+                             "median_ttft_ms": rng.uniform(10, 900), "p99_ttft_ms": 999.0,
+                             "duration": rng.uniform(5, 60),
+                             "server": None if rep else {
+                                 "preemptions": rng.randrange(5), "queue_s": rng.uniform(0, 9),
+                                 "engine_steps": rng.randrange(900, 2000),
+                                 "prefix_cache_hit_tokens": 0}})  # fmt: skip
     runs.append({"requested_shape": "1024x1024", "concurrency": 4, "status": "failed"})
     return {"header": {"date": "d", "device": "dev", "vllm_version": "0.21.0"}, "runs": runs}
 
@@ -149,6 +154,12 @@ def test_records_join_bench_profile_and_roofline(tmp_path: Path) -> None:
         assert r["output_tok_s"] == round(first["output_throughput"], 1)
         toks = [x["output_throughput"] for x in runs]
         assert r["repeat_spread_pct"] == round(100 * (max(toks) - min(toks)) / min(toks), 1)
+        second = next(x for x in runs if x["repeat"] == 1)
+        assert [x["output_tok_s"] for x in r["repeats"]] == [round(t, 1) for t in toks]
+        assert r["repeats"][0]["engine_steps"] == first["server"]["engine_steps"]
+        assert r["repeats"][0]["preemptions"] == first["server"]["preemptions"]
+        assert "engine_steps" not in r["repeats"][1]  # no /metrics read in that run
+        assert r["repeats"][1]["tpot_p50_ms"] == round(second["median_tpot_ms"], 3)
         ctx = int(r["shape"].split("x")[0]) + 512
         sb = sv.step_bytes(info, r["concurrency"], ctx)
         assert r["roofline_us"] == round(sb["total"] / 4000.0 / 1e3, 1)
@@ -161,6 +172,16 @@ def test_records_join_bench_profile_and_roofline(tmp_path: Path) -> None:
     md = sv.markdown(recs, {"command": "c", "copy": {"gbps": 4000.0}})
     assert md.count("\n| 1024x1024 |") == 2 and md.count("\n| 8192x1024 |") == 2
     assert "ours/upstream tok/s" in md
+    o = next(
+        r for r in recs if (r["impl"], r["shape"], r["concurrency"]) == ("ours", "1024x1024", 64)
+    )
+    rep0 = o["repeats"][0]
+    assert (f"| ours | 1024x1024 | 64 | 0 | {rep0['output_tok_s']:.1f} | {rep0['tpot_p50_ms']:.2f} |"
+            in md)  # fmt: skip
+    assert (
+        f"| {rep0['preemptions']:.0f} | {rep0['queue_s']:.1f} | {rep0['engine_steps']:.0f} |" in md
+    )
+    assert md.count("\n| ours | ") == 8 and md.count("\n| upstream | ") == 8  # 4 points x 2 repeats
 
 
 def test_report_cli(tmp_path: Path) -> None:
