@@ -698,3 +698,44 @@ def test_quack_worker_without_quack_says_so(tmp_path):
     with pytest.raises(SystemExit) as e:
         quack_anchor.main(["only-one-arg"])
     assert e.value.code == 2
+
+
+def test_dense_shapes_and_their_fixed_cost_fit(capsys, tmp_path):
+    """--dense NxK replaces the models' shapes; the fit recovers a known fixed cost and rate per
+    implementation and M from 3 or more shapes (not from 2), and the report shows it."""
+    assert B.main(["--dense", "4096x1024,1536x4096", "--list-shapes"]) == 0
+    out = capsys.readouterr().out
+    assert "custom.4096x1024" in out and "custom.1536x4096" in out and "flash." not in out
+    for bad in ("4096x1000", "4096", "0x64", "ax64"):
+        with pytest.raises(SystemExit):
+            B.main(["--dense", bad, "--list-shapes"])
+        assert "--dense" in capsys.readouterr().err
+    shapes = [B._dense_shape(t) for t in ("4096x512", "4096x2048", "4096x8192", "32768x1024")]
+    rows = []
+    for m, fixed, rate in ((4, 2.5, 2500.0), (16, 3.0, 2000.0)):
+        for s in shapes:
+            r = B.new_row("custom", s, m)
+            wb = B.weight_bytes(1, s.n, s.k)
+            r["us"] = fixed + wb / (rate * 1e3)
+            r["copy_us"] = 1.0 + wb / 3000e3
+            r["sweep_us"] = {"64x16x4": 2.0 + wb / 2800e3}
+            if s.n == 32768:
+                r["sweep_us"]["128x16x1"] = 9.0  # one shape only: no fit
+            rows.append(r)
+    rows.append({**B.new_row("flash", B.SHAPES["flash"][0], 4), "us": 99.0})  # not custom
+    fit = {(f["impl"], f["M"]): f for f in B.fit_cost(rows)}
+    assert set(fit) == {(i, m) for i in ("ours", "copy", "ours@64x16x4") for m in (4, 16)}
+    assert fit[("ours@64x16x4", 4)]["fixed_us"] == 2.0
+    assert fit[("ours@64x16x4", 4)]["rate_GBps"] == 2800
+    assert fit[("ours", 4)]["fixed_us"] == 2.5 and fit[("ours", 4)]["rate_GBps"] == 2500
+    assert fit[("ours", 16)]["fixed_us"] == 3.0 and fit[("ours", 16)]["rate_GBps"] == 2000
+    assert fit[("copy", 4)]["fixed_us"] == 1.0 and fit[("copy", 4)]["rate_GBps"] == 3000
+    assert fit[("ours", 4)]["shapes"] == 4 and fit[("ours", 4)]["max_resid_pct"] == 0.0
+    assert B.fit_cost([r for r in rows if r["shape"] != "custom.4096x512"
+                       and r["shape"] != "custom.4096x2048"]) == []  # fmt: skip
+    meta = {"date": "d", "command": "c", "header": [], "stopped_early": ""}
+    md_path, json_path = tmp_path / "r.md", tmp_path / "r.json"
+    B.write_outputs(str(json_path), str(md_path), meta, [B.finalize_row(r, 3000.0) for r in rows])
+    md = md_path.read_text()
+    assert "| ours | 4 | 4 | 2.50 | 2500 | 0.0 |" in md
+    assert json.loads(json_path.read_text())["fit"][0]["impl"] in ("ours", "copy")

@@ -2,12 +2,17 @@
 
 python -m cutedsl.bench.gemm_sm90 [--model flash|pro|all] [--ms 1,4,...] [--shapes a,b]
     [--impls ours,cublas,...] [--quack-env FILE] [--sweep [neighbours|grid]] [--time-budget S]
-    [--json PATH] [--md PATH] [--list-shapes]
+    [--json PATH] [--md PATH] [--list-shapes] [--dense NxK,NxK,...]
 
 Shapes (per model, from its config; see FLASH_CONFIG / PRO_CONFIG): fused_wqa_wkv, wq_b, wo_a
 (G equal groups, a[G, M, K]), wo_b, shared expert L1/L2 (dense), routed experts L1/L2 ("moe": the
 M*topk routed rows grouped by per-expert offsets from `routing()`, a seeded top-k routing with
 per-expert popularity skew, distinct experts per token).
+
+--dense NxK,...: time these dense shapes (model "custom") instead of the models' shapes. With
+three or more of them the report adds, per implementation and M, the least-squares line
+time = fixed + bytes / rate over them (`fit_cost`): the fixed cost of one call (launch, prologue,
+pipeline fill, epilogue, tail) apart from its streaming rate, next to the same-bytes copy's.
 
 Timing: each implementation is captured in a CUDA graph of `reps` back-to-back calls that cycle
 through enough weight copies (dense, wo_a) or routings (moe: different experts active each call)
@@ -1077,8 +1082,50 @@ def _cell(r: dict, key: str, fmt: str) -> str:
     return format(v, fmt)
 
 
+# (implementation, its time column) the fixed-cost fit is made for
+FIT_COLS = (("ours", "us"), ("copy", "copy_us"), ("marlin", "marlin_us"), ("cublas", "cublas_us"),
+            ("quack", "quack_us"))  # fmt: skip
+
+
+def fit_cost(rows: list[dict]) -> list[dict]:
+    """Per implementation and M, over the custom dense rows (3 or more shapes with a time): the
+    least-squares line time_us = fixed_us + bytes / rate, bytes = the NVFP4 weight + scale bytes
+    of the row (BF16 and FP8 implementations read more; their rate is per NVFP4 byte).
+    Ours also per tactic timed by --sweep (impl "ours@<tactic>": one kernel configuration over
+    the shapes, where the launch tactic changes with the shape).
+    One record {impl, M, shapes, fixed_us, rate_GBps, max_resid_pct} each."""
+    out = []
+    custom = [r for r in rows if r["model"] == "custom"]
+    for m in sorted({r["M"] for r in custom}):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in (r for r in custom if r["M"] == m):
+            wb = weight_bytes(1, r["N"], r["K"])
+            for impl, col in FIT_COLS:
+                if r.get(col):
+                    series.setdefault(impl, []).append((wb, r[col]))
+            for tac, us in sorted((r.get("sweep_us") or {}).items()):
+                series.setdefault(f"ours@{tac}", []).append((wb, us))
+        for impl, pts in series.items():
+            if len(pts) < 3:
+                continue
+            n = len(pts)
+            mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+            sxx = sum((x - mx) ** 2 for x, _ in pts)
+            if sxx == 0:
+                continue
+            slope = sum((x - mx) * (y - my) for x, y in pts) / sxx  # us per byte
+            fixed = my - slope * mx
+            resid = max(abs(y - fixed - slope * x) / y for x, y in pts)
+            out.append({
+                "impl": impl, "M": m, "shapes": n, "fixed_us": round(fixed, 2),
+                "rate_GBps": round(1e-3 / slope) if slope > 0 else None,
+                "max_resid_pct": round(100 * resid, 1),
+            })  # fmt: skip
+    return out
+
+
 def format_md(meta: dict, rows: list[dict]) -> str:
-    """The readable report: header notes, one pipe table, the summary."""
+    """The readable report: header notes, one pipe table, the fixed-cost fit, the summary."""
     out = [f"# sm_90a NVFP4 W4A16 GEMM bench ({meta['date']})", "", f"`{meta['command']}`", ""]
     out += [f"- {h}" for h in meta["header"]]
     if meta.get("stopped_early"):
@@ -1087,13 +1134,23 @@ def format_md(meta: dict, rows: list[dict]) -> str:
     out.append("|" + "|".join("---" for _ in MD_COLS) + "|")
     for r in rows:
         out.append("| " + " | ".join(_cell(r, k, f) for _, k, f in MD_COLS) + " |")
+    fit = meta.get("fit") or []
+    if fit:
+        out += ["", "Fixed cost and streaming rate (least squares over the --dense shapes: "
+                "time = fixed + NVFP4 bytes / rate):", "",
+                "| impl | M | shapes | fixed us | rate GB/s | max residual % |",
+                "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for f in fit:
+            rate = "—" if f["rate_GBps"] is None else f"{f['rate_GBps']}"
+            out.append(f"| {f['impl']} | {f['M']} | {f['shapes']} | {f['fixed_us']:.2f} | "
+                       f"{rate} | {f['max_resid_pct']:.1f} |")  # fmt: skip
     out += ["", "summary: " + json.dumps(meta.get("summary", {})), ""]
     return "\n".join(out)
 
 
 def write_outputs(json_path: str, md_path: str, meta: dict, rows: list[dict]) -> None:
     """JSON: meta (command, date, device, versions, ...) + rows (one record per row); MD."""
-    meta = dict(meta, summary=summarize(rows), rows=rows)
+    meta = dict(meta, summary=summarize(rows), fit=fit_cost(rows), rows=rows)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(meta, f, indent=1)
@@ -1131,6 +1188,8 @@ EXAMPLES = [
     "python -m cutedsl.bench.gemm_sm90 --time-budget 600 --json r.json --md r.md",
     "python -m cutedsl.bench.gemm_sm90 --model flash --ms 1,4,16,32 --impls ours,quack,copy "
     "--quack-env /opt/quack/env.sh   # quack-kernels in its own environment",
+    "python -m cutedsl.bench.gemm_sm90 --dense 4096x1024,4096x2048,4096x4096,4096x8192 --ms 4 "
+    "--impls ours,copy   # fixed cost vs streaming rate",
 ]
 
 
@@ -1199,10 +1258,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default="", metavar="PATH", help="write the rows and meta as JSON")
     p.add_argument("--md", default="", metavar="PATH", help="write the readable table")
     p.add_argument("--list-shapes", action="store_true", help="print the shape table and exit")
+    p.add_argument(
+        "--dense",
+        type=_comma_list(_dense_shape),
+        default=[],
+        metavar="NxK,...",
+        help="time these dense N x K shapes (multiples of 64) instead of the models' shapes; "
+        "with 3 or more, also the fixed cost + streaming rate fit per implementation",
+    )
     return p.parse_args(argv)
 
 
+def _dense_shape(text: str) -> Shape:
+    """'NxK' -> a dense Shape named 'NxK' (N and K multiples of 64, as our kernels need)."""
+    try:
+        n, k = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"{text!r} is not NxK (e.g. 4096x1024)") from None
+    if n <= 0 or k <= 0 or n % 64 or k % 64:
+        raise ValueError(f"{text!r}: N and K must be positive multiples of 64")
+    return Shape(f"{n}x{k}", "dense", n, k)
+
+
 def selected_shapes(args: argparse.Namespace) -> list[tuple[str, Shape]]:
+    if args.dense:
+        return [("custom", s) for s in args.dense]
     models = list(MODELS) if args.model in ("all", "both") else [args.model]
     keep = set(args.shapes)
     return [(mdl, s) for mdl in models for s in SHAPES[mdl] if not keep or s.name in keep]
