@@ -27,9 +27,9 @@ The arguments, the checkpoint's config.json, shard headers and tensor layout, th
 (inside the vocabulary) and the --out folder are all checked before the model is built; --out is
 written beside itself and renamed (mode from the umask), and is not replaced without --force.
 
-API: `load_model(ckpt, device, dtype, swa_rope, act_quant)`, `golden_logits(model, token_ids)` -> float32
-[T, V] (one full causal forward: logits at position t depend on tokens <= t only, so it serves
-prefill and teacher-forced decode positions alike), `layer_rms(model, token_ids)`.
+API: `load_model(ckpt, device, dtype, swa_rope, act_quant)`, `golden_logits(model, token_ids)`
+-> float32 [T, V] (one full causal forward: logits at position t depend on tokens <= t only, so it
+serves prefill and teacher-forced decode positions alike), `layer_rms(model, token_ids)`.
 """
 
 from __future__ import annotations
@@ -198,12 +198,19 @@ def quantize_activations(model, ckpt: str) -> int:
         raise RuntimeError(
             f"golden: the HF model has no module {missing[0]} ({len(missing)} missing)"
         )
+
+    def rounding_hook(name: str, scale: float):
+        def hook(_mod, args, kwargs):
+            if not args:  # HF passes every such module its input positionally
+                raise RuntimeError(f"golden: {name} was called without a positional input")
+            return (_round_nvfp4(args[0], scale), *args[1:]), kwargs
+
+        return hook
+
     for name, sc in scales.items():
         mod = mods[name]
         if "input" in sc:
-            mod.register_forward_pre_hook(
-                lambda _m, args, s=sc["input"]: (_round_nvfp4(args[0], s), *args[1:])
-            )
+            mod.register_forward_pre_hook(rounding_hook(name, sc["input"]), with_kwargs=True)
         if "down" in sc:
             if type(mod) is not DeepseekV4Experts:
                 raise RuntimeError(f"golden: {name} is a {type(mod).__name__}, not the HF experts")
