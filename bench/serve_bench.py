@@ -205,17 +205,22 @@ SERVER_SERIES = {
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{.*\})?\s+(\S+)")
 
 
-def parse_series(text: str) -> dict[str, float]:
-    """Prometheus text -> {series name: value summed over its label sets}."""
-    vals: dict[str, float] = {}
+def metric_samples(text: str) -> dict[str, list[float]]:
+    """Prometheus text -> {series name: its values, one per label set}."""
+    vals: dict[str, list[float]] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
         if m:
             try:
-                vals[m[1]] = vals.get(m[1], 0.0) + float(m[2])
+                vals.setdefault(m[1], []).append(float(m[2]))
             except ValueError:
                 continue
     return vals
+
+
+def parse_series(text: str) -> dict[str, float]:
+    """Prometheus text -> {series name: value summed over its label sets}."""
+    return {k: sum(v) for k, v in metric_samples(text).items()}
 
 
 def server_counters(base_url: str, timeout: float = 5.0) -> dict[str, float | None] | None:

@@ -59,6 +59,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import soak  # noqa: E402
 import startup  # noqa: E402
+from serve_bench import metric_samples  # noqa: E402
 
 COMPILE_PATTERNS = {
     "triton": re.compile(r"Triton kernel JIT compilation during inference|Triton autotuning for"),
@@ -341,13 +342,7 @@ def served_model_info(url: str) -> dict:
 def read_metrics(text: str) -> dict[str, float | None]:
     """running, waiting (summed over label sets) and KV-cache usage (max) from /metrics text;
     None for a metric the server did not report."""
-    vals: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
-        if m:
-            vals.setdefault(m.group(1), []).append(float(m.group(3)))
+    vals = metric_samples(text)
 
     def pick(*names: str, how=sum) -> float | None:
         for nm in names:
