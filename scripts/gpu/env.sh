@@ -12,6 +12,10 @@
 #   CKPT_DIR   generated checkpoints (default: checkpoints/ of this checkout).
 #   CKPT_DIR_UPSTREAM  upstream's flash-layers checkpoint, where it must live apart from ours
 #              (default: CKPT_DIR).
+#   PACK_OUT=1 when the driver exits (also on SIGTERM), everything in $OUT but summary.txt is
+#              packed into $OUT/results.tgz (the .pt tensors left out; 15 MiB parts
+#              results.tgz.00, .01, ... when larger): for a transport that returns only a few
+#              files of limited size (`pack_out`).
 #
 # Two vLLM trees side by side, so that upstream and ours can run at the same time on one GPU:
 #   "${UPSTREAM[@]}" CMD  runs CMD on the vLLM that $PYTHON imports, which must be pristine
@@ -32,6 +36,20 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 R=$OUT   # every result file of a driver goes here
+
+pack_out() {  # pack_out DIR: DIR's entries but summary.txt into DIR/results.tgz[.NN], then removed
+    (
+        cd "$1" 2>/dev/null || exit 0
+        mapfile -t entries < <(find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name 'results.tgz*' -printf '%P\n')
+        [ ${#entries[@]} -gt 0 ] || exit 0
+        tar czf results.tgz --exclude='*.pt' -- "${entries[@]}" || exit 1
+        rm -rf -- "${entries[@]}"
+        if [ "$(stat -c %s results.tgz)" -gt $((15 << 20)) ]; then
+            split -b 15M -d results.tgz results.tgz. && rm results.tgz
+        fi
+    )
+}
+if [ "${PACK_OUT:-0}" = 1 ]; then trap 'pack_out "$OUT"' EXIT; fi
 RUN_DIR=${RUN_DIR:-${TMPDIR:-/tmp}/cutedsl-gpu}
 CKPT_DIR=${CKPT_DIR:-$REPO/checkpoints}
 mkdir -p "$RUN_DIR" "$CKPT_DIR" ${CKPT_DIR_UPSTREAM:+"$CKPT_DIR_UPSTREAM"}

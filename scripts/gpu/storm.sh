@@ -34,7 +34,7 @@ note() { echo "$(date -u +%T) [${SECONDS}s] $*" | tee -a "$R/summary.txt"; }
 left() { echo $((BUDGET - SECONDS)); }
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 copy_out() { cp -r "$R/." "$CALL_OUT/" 2>/dev/null; cp "$S"/*.log "$CALL_OUT/" 2>/dev/null; true; }
-trap copy_out EXIT
+trap 'copy_out; [ "${PACK_OUT:-0}" = 1 ] && pack_out "$CALL_OUT"' EXIT
 wait_healthy() {  # wait_healthy PORT PIDFILE SECONDS: 0 healthy, 1 died, 2 not yet
     local i
     for ((i = 0; i < $3; i += 2)); do
