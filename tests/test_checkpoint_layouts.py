@@ -362,6 +362,34 @@ def test_ct_global_scale_of_shape_zero_d_is_read(ckpts, tmp_path) -> None:
     )
 
 
+def test_ct_global_scales_must_be_one_positive_value(ckpts, tmp_path) -> None:
+    """A zero weight global scale or a negative input global scale is refused naming the tensor
+    and its file, not dequantized into infinities."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from cutedsl.tools.checkpoint import read_input_scale
+
+    src = tmp_path / "ct0"
+    shutil.copytree(ckpts["ct-nvfp4-fp8"], src)
+    n = "layers.0.ffn.experts.1.w3"
+    idx = json.load(open(src / "model.safetensors.index.json"))["weight_map"]
+    fn = idx[f"{n}.weight_global_scale"]
+    with safe_open(str(src / fn), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    t[f"{n}.weight_global_scale"] = torch.zeros_like(t[f"{n}.weight_global_scale"])
+    t[f"{n}.input_global_scale"] = -t[f"{n}.input_global_scale"]
+    save_file(t, str(src / fn), metadata={"format": "pt"})
+    ck = Checkpoint(str(src))
+    with pytest.raises(CheckpointError, match=rf"{n}\.weight_global_scale: .*positive.*{fn}"):
+        read_linear(ck, n)
+    with pytest.raises(CheckpointError, match=rf"{n}\.input_global_scale: .*positive.*{fn}"):
+        read_input_scale(ck, n)
+    good = read_input_scale(Checkpoint(ckpts["ct-nvfp4-fp8"]), n)  # the reciprocal of the divisor
+    assert good is not None and good.ndim == 0 and float(good) > 0
+
+
 def test_mxfp4_expert_bytes_read_the_same_as_i8_or_u8(tmp_path) -> None:
     """DeepSeek ships its MXFP4 expert bytes as I8 (the generator writes that); the same bytes
     stored as U8 validate, dequantize and convert identically."""

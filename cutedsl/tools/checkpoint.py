@@ -385,16 +385,11 @@ def read_linear(
                 f"tensor {name}.weight_packed: no {name}.weight_global_scale beside it "
                 f"({os.path.join(ck.path, ck.files[name + '.weight_packed'])})"
             )
-        gs = get(f"{name}.weight_global_scale").float().reshape(-1)
-        if gs.numel() != 1 or not bool(gs[0] > 0):
-            raise CheckpointError(
-                f"tensor {name}.weight_global_scale: expected one positive value, got "
-                f"{gs.tolist()[:4]} ({os.path.join(ck.path, ck.files[name + '.weight_global_scale'])})"
-            )
+        w_gs = (1.0 / _positive_scalar(ck, f"{name}.weight_global_scale")).float()
         return F.dequantize_nvfp4(
             get(f"{name}.weight_packed"),
             get(f"{name}.weight_scale"),
-            (1.0 / gs[0].double()).float(),
+            w_gs if device is None else w_gs.to(device),
             dtype=torch.float32,
         )
     w = get(f"{name}.weight")
@@ -430,17 +425,22 @@ def read_input_scale(ck: Checkpoint, name: str) -> torch.Tensor | None:
     compressed-tensors' `.input_global_scale` (a divisor); None where it has neither (FP8, MXFP4,
     plain weights). Raises CheckpointError unless the scale is one positive finite value."""
     for leaf, divisor in (("input_scale", False), ("input_global_scale", True)):
-        full = f"{name}.{leaf}"
-        if not ck.has(full):
-            continue
-        t = ck.get(full).double().reshape(-1)
-        if t.numel() != 1 or not bool(torch.isfinite(t[0]) and t[0] > 0):
-            raise CheckpointError(
-                f"tensor {full}: expected one positive finite value, got {t.tolist()[:4]} "
-                f"({os.path.join(ck.path, ck.files[full])})"
-            )
-        return (1.0 / t[0] if divisor else t[0]).float()
+        if ck.has(f"{name}.{leaf}"):
+            t = _positive_scalar(ck, f"{name}.{leaf}")
+            return (1.0 / t if divisor else t).float()
     return None
+
+
+def _positive_scalar(ck: Checkpoint, full: str) -> torch.Tensor:
+    """Tensor `full` (shape () or (1,)) as a float64 0-dim on the CPU; CheckpointError naming it
+    and its file unless it is one positive finite value."""
+    t = ck.get(full).double().reshape(-1)
+    if t.numel() != 1 or not bool(torch.isfinite(t[0]) and t[0] > 0):
+        raise CheckpointError(
+            f"tensor {full}: expected one positive finite value, got {t.tolist()[:4]} "
+            f"({os.path.join(ck.path, ck.files[full])})"
+        )
+    return t[0]
 
 
 def has_mtp_block(ck: Checkpoint) -> bool:
