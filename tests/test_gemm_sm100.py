@@ -273,6 +273,8 @@ def test_moe_host_path_vs_reference() -> None:
     q2, sf2 = emulate.expected_quant(h, a2, rows)
     y = torch.full((rows, hid), float("nan"), dtype=torch.bfloat16)
     emulate.emulate_gemm(q2, sf2, w2, w2_sf, a2 * w2g, y[:, :, None], m_a=rows, k=i, offs=offs)
+    routed = dest[dest >= 0].long()
+    assert not y[routed].isnan().any()  # every row a token was routed to was written
     y = torch.nan_to_num(y)  # rows past offs[-1] are never written, by contract
     out = layout.moe_combine(y, dest, tw)
 
@@ -281,7 +283,6 @@ def test_moe_host_path_vs_reference() -> None:
     )
     # h is rounded to bf16 before its NVFP4 re-quantization (the reference quantizes fp32).
     assert _calc_diff(out, ref) < 2e-3, _calc_diff(out, ref)
-    assert (ref.abs() > 0).all()
 
 
 # --------------------------------------------------------------------------- kernel layouts, traced
