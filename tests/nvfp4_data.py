@@ -71,10 +71,13 @@ def no_reserve(monkeypatch: pytest.MonkeyPatch):
 def sm90_launch_emulator():
     """A stand-in for `cutedsl.sm90.gemm._launch` on the CPU: out3[l] = a3[l] · dequant(wp[l])ᵀ (dense /
     groups), or per expert rows [offs[e], offs[e+1]) of a3[0] (MoE; rows outside the experts are
-    left untouched), from the host model of the kernel's weight decode."""
+    left untouched), from the host model of the kernel's weight decode. With `swiglu` (MoE), the
+    rows of wp are in `swiglu_row_order`: each expert's bf16 product is put back in (gate | up)
+    order and goes through the torch statement of the SwiGLU kernel."""
+    from cutedsl.sm90 import swiglu as sw
     from cutedsl.sm90 import weight
 
-    def launch(a3, wp, out3, offs, tactic):
+    def launch(a3, wp, out3, offs, tactic, swiglu=False, swiglu_limit=None):
         w = weight.dequantize_prepared(wp)  # [L, N, K] fp32
         if offs is None:
             out3.copy_(torch.einsum("lmk,lnk->lmn", a3.float(), w))
@@ -82,6 +85,11 @@ def sm90_launch_emulator():
         o = offs.tolist()
         for e in range(wp.groups):
             s, t = o[e], o[e + 1]
-            out3[0, s:t] = (a3[0, s:t].float() @ w[e].T).to(out3.dtype)
+            h = (a3[0, s:t].float() @ w[e].T).to(out3.dtype)
+            if swiglu:
+                pairs = h.reshape(t - s, wp.n // 16, 2, 8)  # [rows, b, (gate, up), r]
+                h = pairs.transpose(1, 2).reshape(t - s, wp.n)  # (gate | up)
+                h = sw.swiglu_clamp_bf16(h, swiglu_limit)
+            out3[0, s:t] = h
 
     return launch

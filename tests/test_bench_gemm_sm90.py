@@ -199,6 +199,25 @@ def test_finalize_row_columns():
     assert moe["tflops"] == round(2 * 6 * 6144 * 7168 / 10.0 / 1e6, 1)
 
 
+def test_swiglu_columns_and_table(tmp_path):
+    """The swiglu impl's rows: sep / fused in the JSON, its own table in the MD (routed w13
+    rows only; the other rows' "n/a" is not a note)."""
+    rows = _synthetic_rows()
+    moe = rows[4]  # pro routed_w13, M=1
+    moe.update(swiglu_sep_us=12.0, swiglu_fused_us=9.6)
+    B.finalize_row(moe, 4000.0)
+    assert moe["x_swiglu_fused"] == 1.25
+    rows[0]["swiglu_error"] = "n/a: routed w13 only"
+    B.finalize_row(rows[0], 4000.0)
+    assert rows[0]["x_swiglu_fused"] is None
+    meta = dict(command="c", date="d", device="fake", versions=B.versions(), header=[])
+    md = tmp_path / "r.md"
+    B.write_outputs("", str(md), meta, rows)
+    text = md.read_text()
+    assert "| pro.routed_w13(E=384) | 1 | 6 | 64x16x4 | 12.0 | 9.6 | 1.25 |" in text
+    assert "n/a: routed w13" not in text
+
+
 def test_json_and_md_writers(tmp_path):
     rows = _synthetic_rows()
     meta = dict(

@@ -373,6 +373,51 @@ def test_prepare_errors() -> None:
         W.prepare_weight(packed, bad.view(torch.float8_e4m3fn), 1.0)
 
 
+def test_swiglu_row_order_pairs_gate_and_up_in_each_fragment() -> None:
+    """`swiglu_row_order`: a permutation whose 16-row groups hold gate 8b..8b+7 then up
+    8b..8b+7, so wgmma fragment rows lane/4 and lane/4 + 8 of a warp are gate and up of one
+    output column; `interleave_swiglu` of a prepared w13 equals preparing the reordered
+    checkpoint rows (bytes and scale words), per group, and decodes to the reordered weight."""
+    i = 48
+    order = W.swiglu_row_order(2 * i)
+    assert sorted(order.tolist()) == list(range(2 * i))
+    for b in range(i // 8):
+        for r in range(8):
+            assert order[16 * b + r] == 8 * b + r and order[16 * b + 8 + r] == i + 8 * b + r
+    with pytest.raises(ValueError, match="2I with I a multiple of 8"):
+        W.swiglu_row_order(72)
+    gen = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
+    groups, n, k = 3, 128, 256
+    packed = torch.randint(0, 256, (groups, n, k // 2), generator=gen, dtype=torch.uint8)
+    sf = _special_scales((groups, n, k // 16), gen)
+    gs = torch.rand(groups, generator=gen) + 0.5
+    order = W.swiglu_row_order(n)
+    want = W.prepare_weight(packed[:, order], sf[:, order], gs)
+    wp = W.prepare_weight(packed, sf, gs)
+    plain = W.dequantize_prepared(wp)
+    got = W.interleave_swiglu(wp)
+    assert torch.equal(got.w, want.w) and torch.equal(got.sf, want.sf)
+    assert torch.equal(W.dequantize_prepared(got), plain[:, order])
+
+
+def test_fused_swiglu_limits_are_refused() -> None:
+    """The fused SwiGLU needs an unsplit tile with the staged epilogue and a positive limit (or
+    none); it halves the tile's output columns and their staging pitch."""
+    K = gemm_sm90.Sm90Nvfp4W4A16GemmKernel
+    k = K(tile_n=128, tile_m=16, moe=True, swiglu=True, swiglu_limit=10.0)
+    assert k.out_cols == 64 and k.pitch == 144 and k.staged_epilogue
+    assert K(tile_n=64, tile_m=32, moe=True, swiglu=True).swiglu_limit is None
+    with pytest.raises(ValueError, match="unsplit tile with the staged epilogue"):
+        K(tile_n=64, tile_m=16, split_k=2, swiglu=True)
+    with pytest.raises(ValueError, match="unsplit tile with the staged epilogue"):
+        K(tile_n=128, tile_m=24, moe=True, swiglu=True)
+    with pytest.raises(ValueError, match="unsplit tile with the staged epilogue"):
+        K(tile_n=128, tile_m=16, moe=True, swiglu=True, staged_epilogue=False)
+    for lim, kw in ((10.0, {}), (0.0, {"swiglu": True}), (-1.0, {"swiglu": True})):
+        with pytest.raises(ValueError, match=f"swiglu_limit {lim}"):
+            K(tile_n=128, tile_m=16, moe=True, swiglu_limit=lim, **kw)
+
+
 # ------------------------------------------------------------------------------------- GPU
 
 
@@ -723,6 +768,44 @@ def test_moe_staged_epilogue_matches_register_stores(tactic) -> None:
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), f"moe tactic {tactic}: staged and register differ"
     _assert_close(outs[0], ref, f"moe staged tactic {tactic}")
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("limit", [10.0, None], ids=["limit10", "nolimit"])
+@pytest.mark.parametrize("tactic", MOE_TACTICS, ids=[f"n{t[0]}m{t[1]}" for t in MOE_TACTICS])
+def test_moe_fused_swiglu_equals_gemm_then_swiglu_kernel(tactic, limit) -> None:
+    """The w13 GEMM with the fused SwiGLU epilogue (w13 in `swiglu_row_order`) writes exactly the
+    bits of the unfused GEMM followed by the SwiGLU kernel, on empty experts, partial tiles and an
+    expert over several m tiles; rows outside the experts stay unwritten; h is scaled so that
+    the clamp at the limit is reached."""
+    from cutedsl.sm90 import swiglu as sw
+
+    tn, tm, _ = tactic
+    i, k = 256, 512
+    counts = [0, 3 * tm + 5, 1, 0, 300, 17]
+    packed, sf, gs = _rand_weight(len(counts), 2 * i, k)
+    gs = gs * 4  # |h| spread over ~0..30: the clamps bite, the SiLU sees every range
+    t = sum(counts) + 7  # 7 rows past the experts: never written
+    offs = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    tac = Tactic(*tactic)
+    h = _poison((t, 2 * i))
+    G.moe(a, offs, W.prepare_weight(packed, sf, gs), out=h, tactic=tac)
+    want = _poison((t, i))
+    rows = int(offs[-1])
+    sw.swiglu_clamp(h[:rows], limit, want[:rows])
+    wp = W.interleave_swiglu(W.prepare_weight(packed, sf, gs))
+    got = _poison((t, i))
+    G.moe(a, offs, wp, out=got, tactic=tac, swiglu=True, swiglu_limit=limit)
+    assert got[rows:].isnan().all(), "rows past the experts were written"
+    assert not got[:rows].isnan().any(), "a routed row was not written"
+    if limit is not None:
+        assert (h[:rows, :i].float() > limit).any() and (h[:rows, i:].float().abs() > limit).any()
+    diff = got[:rows].view(torch.int16) != want[:rows].view(torch.int16)
+    assert not diff.any(), (
+        f"tactic {tactic}: {int(diff.sum())} of {diff.numel()} outputs differ, first at "
+        f"{diff.nonzero()[0].tolist()}"
+    )
 
 
 # (tile_n, tile_m, split_k, moe, K, stages): decode tiles that have the producer warp (and, on

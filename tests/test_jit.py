@@ -33,7 +33,7 @@ def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _builders() -> list[tuple[object, tuple]]:
     """(builder, one valid argument tuple) for every builder the runtime passes to jit.compiled."""
     return [
-        (sm90_gemm._build, (128, 16, 1, False)),
+        (sm90_gemm._build, (128, 16, 1, True, True, 10.0)),
         (routing._build, ("route",)),
         (swiglu._build, (10.0,)),
         (sm100_kernels.compile_gemm, (False, 10.0, 128)),
@@ -89,8 +89,12 @@ def test_sm90_builder_passes_every_argument_to_the_kernel(monkeypatch: pytest.Mo
     monkeypatch.setattr(kernels, "compile_kernel", lambda *a, **kw: seen.append((a, kw)))
     sm90_gemm._build(64, 32, 2, True)
     sm90_gemm._build(64, 32, 2, True, no_jit_engine=True)
-    assert seen == [((64, 32, 2, True), {"no_jit_engine": False}),
-                    ((64, 32, 2, True), {"no_jit_engine": True})]  # fmt: skip
+    sm90_gemm._build(64, 32, 1, True, swiglu=True, swiglu_limit=10.0)
+    plain = {"swiglu": False, "swiglu_limit": None}
+    assert seen == [((64, 32, 2, True), {"no_jit_engine": False, **plain}),
+                    ((64, 32, 2, True), {"no_jit_engine": True, **plain}),
+                    ((64, 32, 1, True), {"no_jit_engine": False, "swiglu": True,
+                                         "swiglu_limit": 10.0})]  # fmt: skip
 
 
 def test_compiles_once_per_key_under_concurrent_first_calls(monkeypatch) -> None:

@@ -110,14 +110,18 @@ def test_shared_mlp_graph() -> None:
     _graph_check(mlp, inputs, lambda x: reference.nvfp4_shared_mlp_ref(x, *w13, *w2, LIMIT), m, mlp)
 
 
+@pytest.mark.parametrize("fused", ["0", "1"], ids=["swiglu_kernel", "fused_swiglu"])
 @pytest.mark.parametrize("case", ["random", "one_expert", "not_local"])
-def test_moe_graph(case: str) -> None:
+def test_moe_graph(case: str, fused: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from cutedsl.moe import Nvfp4MoE
+    from cutedsl.sm90 import runners
 
+    monkeypatch.setenv(runners.FUSED_SWIGLU_ENV, fused)
     e, h, i, m, k = 16, 1024, 256, 24, 6
     w13 = quantized(e, 2 * i, h, scale=0.1, device="cuda")
     w2 = quantized(e, h, i, scale=0.1, device="cuda")
     moe = Nvfp4MoE(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="sm90")
+    assert moe._impl.fused is (fused == "1")
 
     def inputs():
         ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(m)]).int()
@@ -251,3 +255,32 @@ def test_more_rows_than_warmed_up_is_refused() -> None:
     with pytest.raises(WorkspaceError, match=r"warmup\(max_tokens\)"):
         runner._impl(x.repeat(m, 1)[:m], ids.repeat(m, 1)[:m], w.repeat(m, 1)[:m],
                      out.repeat(m, 1)[:m])  # fmt: skip
+
+
+def test_moe_fused_swiglu_is_bit_identical_to_the_swiglu_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The routed experts with the SwiGLU fused into the w13 GEMM return the same bits as with
+    the separate SwiGLU kernel, at decode and prefill sizes (different tactics)."""
+    from cutedsl.moe import Nvfp4MoE
+    from cutedsl.sm90 import runners
+
+    e, h, i, k = 16, 1024, 256, 6
+    w13 = quantized(e, 2 * i, h, scale=0.3, device="cuda")
+    w2 = quantized(e, h, i, scale=0.1, device="cuda")
+    moes = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv(runners.FUSED_SWIGLU_ENV, fused)
+        moes[fused] = Nvfp4MoE(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="sm90")
+        moes[fused].warmup(512)
+    for m in (1, 4, 77, 512):
+        x = (torch.randn(m, h, device="cuda") * 4).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(m)]).int()
+        w = torch.rand(m, k, device="cuda")
+        outs = []
+        for fused in ("0", "1"):
+            out = torch.full((m, h), float("nan"), device="cuda", dtype=torch.bfloat16)
+            moes[fused](x, ids, w, out)
+            outs.append(out)
+        assert torch.isfinite(outs[1]).all(), f"m={m}: unwritten output"
+        assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), f"m={m}"

@@ -35,7 +35,7 @@ def emulated_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     `gemm.precompile` does not compile; tactics are chosen for an H200; the shared workspaces
     start empty."""
     monkeypatch.setattr(workspace, "_SHARED", {})
-    monkeypatch.setattr(gemm, "precompile", lambda tactics: None)
+    monkeypatch.setattr(gemm, "precompile", lambda *args, **kwargs: None)
     monkeypatch.setattr(gemm, "_launch", sm90_launch_emulator())
     monkeypatch.setattr(sm90_runners, "gpu_spec", lambda device: H200)
 
@@ -153,15 +153,22 @@ def test_swiglu_chunks_match_out_of_place(monkeypatch) -> None:
     tmp = torch.full((2, 8, 48), float("nan"))
     got = swiglu.swiglu_clamp_bf16(hh, LIMIT, torch.full_like(want, float("nan")), tmp)
     assert torch.equal(got, want)
+    empty = swiglu.swiglu_clamp_bf16(hh[:0], LIMIT)  # no rows: no scratch chunks to walk
+    assert empty.shape == (0, 48) and empty.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["swiglu_kernel", "fused_swiglu"])
 @pytest.mark.parametrize("case", ["random", "one_expert", "not_local"])
-def test_moe(emulated_launch, monkeypatch, case: str) -> None:
+def test_moe(emulated_launch, monkeypatch, case: str, fused: bool) -> None:
+    """The routed experts against the reference, with the SwiGLU as its own kernel or fused into
+    the w13 GEMM (w13 in the fused order; the emulated launch pairs gate and up by that order)."""
     g = fresh_gen()
     e, h, i, k, max_m = 5, 128, 64, 3, 11
     w13, w2 = quantized(e, 2 * i, h, gen=g, scale=0.5), quantized(e, h, i, gen=g, scale=0.3)
     r = Nvfp4MoE(*w13, None, *w2, None, swiglu_limit=LIMIT, backend="reference")
+    monkeypatch.setenv(sm90_runners.FUSED_SWIGLU_ENV, "1" if fused else "0")
     impl = sm90_runners.MoE(r)
+    assert impl.fused is fused
     monkeypatch.setattr(sm90_runners, "CHUNK", 8)  # several SwiGLU / combine chunks
     _warm(impl, max_m)
     for m in (max_m, 4):

@@ -78,16 +78,34 @@ def test_no_rows_no_tactics() -> None:
 def test_runner_plans_are_the_union_of_their_gemms() -> None:
     """The jobs the vLLM adapters prefetch are the kernels the runners' warm-up compiles."""
     h, i, e, max_tokens = 4096, 2048, 256, 512
-    moe = runners.moe_tactics(e, h, i, max_tokens, H200)
-    assert moe == {(t, True) for t in every_m(2 * i, h, e, True, 8 * max_tokens, H200)} | {
-        (t, True) for t in every_m(h, i, e, True, 8 * max_tokens, H200)
-    }
+    w13, w2 = runners.moe_tactics(e, h, i, max_tokens, H200)
+    assert w13 == {(t, True) for t in every_m(2 * i, h, e, True, 8 * max_tokens, H200)}
+    assert w2 == {(t, True) for t in every_m(h, i, e, True, 8 * max_tokens, H200)}
     jobs = runners.moe_jobs(e, h, i, 10.0, max_tokens, H200)
-    gemm_args = {j.args for j in jobs if j.build.__module__ == "cutedsl.sm90.gemm"}
-    assert gemm_args == {(t.tile_n, t.tile_m, t.split_k, True) for t, _ in moe}
+    gemm_args = {(j.args, j.kwargs) for j in jobs if j.build.__module__ == "cutedsl.sm90.gemm"}
+    assert gemm_args == {((t.tile_n, t.tile_m, t.split_k, True), ()) for t, _ in w13 | w2}
     assert {j.build.__module__ for j in jobs} == {
         "cutedsl.sm90.gemm", "cutedsl.sm90.routing", "cutedsl.sm90.swiglu"
     }  # fmt: skip
     shared = runners.shared_mlp_jobs(h, i, 10.0, max_tokens, H200)
     want = every_m(2 * i, h, 1, False, max_tokens, H200) | every_m(h, i, 1, False, max_tokens, H200)
     assert {j.args for j in shared[:-1]} == {(t.tile_n, t.tile_m, t.split_k, False) for t in want}
+
+
+def test_fused_swiglu_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUTEDSL_SM90_FUSED_SWIGLU=1 the routed w13 tactics are planned with the fused
+    epilogue (its limit in the key), w2 without, and no separate SwiGLU kernel; a bad value is
+    refused naming the variable."""
+    h, i, e, max_tokens = 4096, 2048, 256, 512
+    w13, w2 = runners.moe_tactics(e, h, i, max_tokens, H200)
+    monkeypatch.setenv(runners.FUSED_SWIGLU_ENV, "1")
+    jobs = runners.moe_jobs(e, h, i, 10.0, max_tokens, H200)
+    gemm_jobs = {(j.args, j.kwargs) for j in jobs if j.build.__module__ == "cutedsl.sm90.gemm"}
+    fused = (("swiglu", True), ("swiglu_limit", 10.0))
+    assert gemm_jobs == {((t.tile_n, t.tile_m, t.split_k, True), fused) for t, _ in w13} | {
+        ((t.tile_n, t.tile_m, t.split_k, True), ()) for t, _ in w2
+    }
+    assert "cutedsl.sm90.swiglu" not in {j.build.__module__ for j in jobs}
+    monkeypatch.setenv(runners.FUSED_SWIGLU_ENV, "yes")
+    with pytest.raises(ValueError, match="CUTEDSL_SM90_FUSED_SWIGLU='yes'"):
+        runners.moe_jobs(e, h, i, 10.0, max_tokens, H200)

@@ -59,7 +59,7 @@ def _model(max_tokens: int) -> torch.nn.Module:
 
 
 def _keys(jobs) -> set:
-    return {(j.build.__module__, j.build.__qualname__, j.args) for j in jobs}
+    return {(j.build.__module__, j.build.__qualname__, j.args, j.kwargs) for j in jobs}
 
 
 @pytest.mark.parametrize("max_tokens", [1, 256, 8192])
@@ -75,7 +75,7 @@ def test_jobs_are_what_the_warmups_compile(max_tokens: int, monkeypatch) -> None
         + [grouped_oproj.rope_job(128)]
     )
     assert got == want
-    assert ("cutedsl.sm90.swiglu", "_build", (10.0,)) in got
+    assert ("cutedsl.sm90.swiglu", "_build", (10.0,), ()) in got
     # wo_a is planned with its groups: the grouped tactic set, not the dense one of N = G*R
     wo_a = _keys(runners.linear_jobs(256, 512, 4, max_tokens, H200))
     assert wo_a <= got

@@ -45,6 +45,10 @@ Columns:
   without it too). `moe_align_block_size` (once per batch in vLLM, shared by L1 and L2) is outside
   the timed graph, as our offsets are. wo_a: n/a.
 - copy (M <= 32): `bench_copy`, the same-bytes copy above.
+- swiglu (asked for by name; routed w13 rows only): the routed w13 GEMM followed by the clamped
+  SwiGLU kernel (`swiglu_sep_us`, the default path) against the same GEMM with the SwiGLU fused
+  into its epilogue (`swiglu_fused_us`, `CUTEDSL_SM90_FUSED_SWIGLU=1`), limit 10, same routings
+  and timing; `x_swiglu_fused` = sep / fused.
 - quack (asked for by name, with --quack-env FILE): quack-kernels' CuTeDSL `gemm_w4a16` (NVFP4)
   on the dense shapes, in the Python environment FILE sets up (quack 0.6.x needs a newer
   nvidia-cutlass-dsl than ours), run once before our measurements by `cutedsl.bench.quack_anchor`
@@ -362,7 +366,8 @@ def new_row(model: str, shape: Shape, m: int) -> dict:
         "marlin_us marlin_tflops marlin_weight_GBps deepgemm_us deepgemm_tflops deepgemm_quant_us "
         "deepgemm_total_us deepgemm_rows deepgemm_weight_GBps x_cublas x_marlin x_deepgemm "
         "x_deepgemm_total quack_us quack_rel_err quack_tactic x_quack ours_error cublas_error "
-        "marlin_error deepgemm_error copy_error quack_error sweep_us best_tactic best_us"
+        "marlin_error deepgemm_error copy_error quack_error sweep_us best_tactic best_us "
+        "swiglu_sep_us swiglu_fused_us x_swiglu_fused swiglu_error"
     ).split():
         r[key] = None
     return r
@@ -407,6 +412,8 @@ def finalize_row(r: dict, copy_bw: float | None) -> dict:
         ("x_quack", "quack_us"),
     ):
         r[key] = round(r[col] / t, 2) if t and r[col] else None
+    sep, fused = r["swiglu_sep_us"], r["swiglu_fused_us"]
+    r["x_swiglu_fused"] = round(sep / fused, 2) if sep and fused else None
     return r
 
 
@@ -567,6 +574,56 @@ def bench_ours(
             r["ours_error"] = _err(e)
         print(f"  ours     {shape.name:20s} M={m:6d} us={r['us']} {r['ours_error'] or ''}")
     del wps
+    torch.cuda.empty_cache()
+
+
+SWIGLU_LIMIT = 10.0  # DSv4's
+
+
+def bench_swiglu(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget) -> None:
+    """Routed w13 rows: "swiglu_sep_us" = `gemm.moe` then `swiglu.swiglu_clamp` over the routed
+    rows, "swiglu_fused_us" = `gemm.moe(..., swiglu=True)` (w13 in `swiglu_row_order`), both at
+    the launch tactic, on the routings `bench_ours` uses; other shapes "n/a"."""
+    if not (shape.kind == "moe" and shape.gate_up):
+        _set(rows_by_m, ms, "swiglu_error", "n/a: routed w13 only")
+        return
+    try:
+        from cutedsl.sm90 import gemm, swiglu
+        from cutedsl.sm90.weight import interleave_swiglu
+
+        g, n, k = shape.groups, shape.n, shape.k
+        wp = random_prepared_weight(g, n, k)
+        wpf = interleave_swiglu(random_prepared_weight(g, n, k))
+    except Exception as e:  # noqa: BLE001 - one implementation failing never stops the run
+        _set(rows_by_m, ms, "swiglu_error", _err(e))
+        return
+    for m in ms:
+        if not budget.fits(f"swiglu {shape.name} M={m}"):
+            break
+        r = rows_by_m[m]
+        try:
+            rows = shape.rows(m)
+            spec = gpu_spec(torch.device("cuda"))
+            r["tactic"] = r["tactic"] or tactic_list(launch_tactic(rows, n, k, g, True, spec))
+            offs = [expert_offsets(c).to("cuda") for c in _routings(shape, m)]
+            a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            h = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(rows, n // 2, device="cuda", dtype=torch.bfloat16)
+            sep = [lambda o=o, w=wp: (gemm.moe(a, o, w, out=h),
+                                      swiglu.swiglu_clamp(h, SWIGLU_LIMIT, out))
+                   for o in offs]  # fmt: skip
+            fused = [lambda o=o, w=wpf: gemm.moe(a, o, w, out=out, swiglu=True,
+                                                 swiglu_limit=SWIGLU_LIMIT)
+                     for o in offs]  # fmt: skip
+            reps = _reps(2.0 * rows * n * k)
+            for key, fns in (("swiglu_sep_us", sep), ("swiglu_fused_us", fused)):
+                fns[0]()  # compile outside capture
+                r[key] = round(budget.measure(lambda fns=fns: graph_time_us(fns, reps)), 2)
+        except Exception as e:  # noqa: BLE001
+            r["swiglu_error"] = _err(e)
+        print(f"  swiglu   {shape.name:20s} M={m:6d} sep={r['swiglu_sep_us']} "
+              f"fused={r['swiglu_fused_us']} {r['swiglu_error'] or ''}")  # fmt: skip
+    del wp, wpf
     torch.cuda.empty_cache()
 
 
@@ -1059,10 +1116,10 @@ def _cell(r: dict, key: str, fmt: str) -> str:
     if key == "notes":
         errs = [
             f"{w}: {r[f'{w}_error']}"
-            for w in ("ours", "cublas", "marlin", "deepgemm", "copy", "quack")
+            for w in ("ours", "cublas", "marlin", "deepgemm", "copy", "quack", "swiglu")
             if r.get(f"{w}_error")
             and not str(r[f"{w}_error"]).startswith(
-                ("n/a: Marlin column", "n/a: no Marlin", "n/a: quack")
+                ("n/a: Marlin column", "n/a: no Marlin", "n/a: quack", "n/a: routed w13")
             )
         ]
         return "; ".join(errs).replace("|", "/")
@@ -1144,6 +1201,17 @@ def format_md(meta: dict, rows: list[dict]) -> str:
             rate = "—" if f["rate_GBps"] is None else f"{f['rate_GBps']}"
             out.append(f"| {f['impl']} | {f['M']} | {f['shapes']} | {f['fixed_us']:.2f} | "
                        f"{rate} | {f['max_resid_pct']:.1f} |")  # fmt: skip
+    sw = [r for r in rows if r.get("swiglu_sep_us") or r.get("swiglu_fused_us")]
+    if sw:
+        out += ["", f"Routed w13 with the clamped SwiGLU (limit {SWIGLU_LIMIT:g}): GEMM, then the "
+                "SwiGLU kernel vs the SwiGLU fused into the GEMM's epilogue:", "",
+                "| shape | M | rows | tactic | GEMM + SwiGLU us | fused us | sep / fused |",
+                "|---|---:|---:|---|---:|---:|---:|"]  # fmt: skip
+        for r in sw:
+            cells = [_cell(r, key, fmt) for key, fmt in (
+                ("tactic", "t"), ("swiglu_sep_us", ".1f"), ("swiglu_fused_us", ".1f"),
+                ("x_swiglu_fused", ".2f"))]  # fmt: skip
+            out.append(f"| {r['shape']} | {r['M']} | {r['rows']} | " + " | ".join(cells) + " |")
     out += ["", "summary: " + json.dumps(meta.get("summary", {})), ""]
     return "\n".join(out)
 
@@ -1176,7 +1244,7 @@ def versions() -> dict:
 
 
 IMPLS = ("ours", "cublas", "marlin", "deepgemm", "copy")  # the default
-ALL_IMPLS = (*IMPLS, "quack")  # quack only by name, with --quack-env
+ALL_IMPLS = (*IMPLS, "quack", "swiglu")  # only by name: quack (with --quack-env), swiglu
 EXAMPLES = [
     "python -m cutedsl.bench.gemm_sm90 --json r/gemm.json --md r/gemm.md   # every shape and M",
     "python -m cutedsl.bench.gemm_sm90 --model flash --ms 1,16,4096 --shapes wq_b,wo_b "
@@ -1190,6 +1258,8 @@ EXAMPLES = [
     "--quack-env /opt/quack/env.sh   # quack-kernels in its own environment",
     "python -m cutedsl.bench.gemm_sm90 --dense 4096x1024,4096x2048,4096x4096,4096x8192 --ms 4 "
     "--impls ours,copy   # fixed cost vs streaming rate",
+    "python -m cutedsl.bench.gemm_sm90 --model all --shapes 'routed_w13(E=256),routed_w13(E=384)' "
+    "--ms 1,4,16,64,512,4096 --impls swiglu   # SwiGLU fused into w13 vs its own kernel",
 ]
 
 
@@ -1377,6 +1447,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_copy(shape, ms, rows_by_m, budget)
         if "quack" in impls:
             fill_quack(f"{mdl}.{shape.name}", shape, ms, rows_by_m, quack)
+        if "swiglu" in impls:
+            bench_swiglu(shape, ms, rows_by_m, budget)
         rows += [finalize_row(rows_by_m[m], copy_bw) for m in ms]
         meta["stopped_early"] = budget.stopped
         write_outputs(args.json, args.md, meta, rows)

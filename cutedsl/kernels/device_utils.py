@@ -136,6 +136,25 @@ def cvt_bf16x2_f32(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def bf16_round(x: Float32, *, loc=None, ip=None) -> Float32:
+    """x rounded (RN) to bf16 and widened back to fp32 (exact): the value a bf16 store of x and
+    a later fp32 load of it give."""
+    ops = [Float32(x).ir_value(loc=loc, ip=ip)]
+    text = "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; cvt.f32.bf16 $0, h; }"
+    return Float32(asm(T.f32(), ops, text, "=f,f", loc=loc, ip=ip))
+
+
+@dsl_user_op
+def stmatrix_x2_trans(addr: Int32, words: tuple, *, loc=None, ip=None) -> None:
+    """`stmatrix .x2 .trans`: `stmatrix_x4_trans` for two 8x8 matrices (lanes 0..15 give the
+    addresses: lane 8q + r the one of column r of matrix q)."""
+    ops = [Int32(addr).ir_value(loc=loc, ip=ip)]
+    ops += [Int32(w).ir_value(loc=loc, ip=ip) for w in words]
+    text = "stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [$0], {$1, $2};"
+    asm(None, ops, text, "r,r,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def stmatrix_x4_trans(addr: Int32, words: tuple, *, loc=None, ip=None) -> None:
     """`stmatrix .x4 .trans`: word q of every lane is its (row lane / 4, columns 2 (lane % 4) + 0..1)
     bf16 pair of 8x8 matrix q; lane 8q + r gives the 16-byte-aligned shared address that receives

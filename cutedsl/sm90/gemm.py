@@ -6,10 +6,13 @@ E experts, T routed rows (MoE).
   linear(a[M, K], wp) -> [M, N]                                   (attention projections, MLPs)
   grouped(a[G, M, K], wp(G groups)) -> [G, M, N]                  (wo_a; a, out strided views)
   moe(a[T, K], offs[E+1] int32 on the device, wp(E groups)) -> [T, N]   (routed experts)
+  moe(..., swiglu=True, swiglu_limit=L) -> [T, N/2]   (routed w13 in `swiglu_row_order`, with
+      the clamped SwiGLU in its epilogue: the bits of moe() then `cutedsl.sm90.swiglu`)
 
 BF16 activations and outputs, fp32 accumulation; `wp` is a `cutedsl.sm90.weight.Weight`. Without a
 forced `tactic`, a launch takes `tactics.launch_tactic` for its M on its GPU.
-Compile cache: `cutedsl.jit`, keyed on the compile-time values only (the Tactic and the MoE flag);
+Compile cache: `cutedsl.jit`, keyed on the compile-time values only (the Tactic, the MoE flag and a
+fused SwiGLU's limit);
 M, N, K, the group count, strides and addresses are runtime values (fake tensors with symbolic
 extents), so one compile serves every token count and routing. CUDA graphs: `precompile` the
 tactics (the runners' `warmup(max_tokens)` does) before capture; a launch allocates only the
@@ -37,26 +40,49 @@ from cutedsl.validate import check_tensor
 
 
 def _build(
-    tile_n: int, tile_m: int, split_k: int, moe: bool, no_jit_engine: bool = False
+    tile_n: int,
+    tile_m: int,
+    split_k: int,
+    moe: bool,
+    swiglu: bool = False,
+    swiglu_limit: float | None = None,
+    no_jit_engine: bool = False,
 ) -> object:
     from cutedsl.sm90.kernels.gemm import compile_kernel
 
-    return compile_kernel(tile_n, tile_m, split_k, moe, no_jit_engine=no_jit_engine)
+    return compile_kernel(
+        tile_n, tile_m, split_k, moe, no_jit_engine=no_jit_engine, swiglu=swiglu,
+        swiglu_limit=swiglu_limit,
+    )  # fmt: skip
 
 
-def kernel(tactic: Tactic, moe: bool) -> object:
+def _epilogue_kwargs(swiglu: bool, swiglu_limit: float | None) -> dict:
+    """The build's keyword arguments of an epilogue: none for the plain bf16 store (so its cache
+    key has none), the fused SwiGLU's flag and limit otherwise."""
+    return {"swiglu": True, "swiglu_limit": swiglu_limit} if swiglu else {}
+
+
+def kernel(
+    tactic: Tactic, moe: bool, swiglu: bool = False, swiglu_limit: float | None = None
+) -> object:
     """The compiled kernel of one tactic (compiled or loaded on first use; `jit`)."""
-    return jit.compiled(_build, tactic.tile_n, tactic.tile_m, tactic.split_k, moe)
+    kw = _epilogue_kwargs(swiglu, swiglu_limit)
+    return jit.compiled(_build, tactic.tile_n, tactic.tile_m, tactic.split_k, moe, **kw)
 
 
-def jobs(tactics: Iterable[tuple[Tactic, bool]]) -> list[jit.Job]:
-    """The `jit.Job` of each (tactic, moe) variant, in a stable order."""
-    return [jit.Job(_build, (t.tile_n, t.tile_m, t.split_k, moe)) for t, moe in sorted(tactics)]
+def jobs(
+    tactics: Iterable[tuple[Tactic, bool]], swiglu: bool = False, swiglu_limit: float | None = None
+) -> list[jit.Job]:
+    """The `jit.Job` of each (tactic, moe) variant with one epilogue, in a stable order."""
+    kw = tuple(sorted(_epilogue_kwargs(swiglu, swiglu_limit).items()))
+    return [jit.Job(_build, (t.tile_n, t.tile_m, t.split_k, moe), kw) for t, moe in sorted(tactics)]
 
 
-def precompile(tactics: Iterable[tuple[Tactic, bool]]) -> None:
+def precompile(
+    tactics: Iterable[tuple[Tactic, bool]], swiglu: bool = False, swiglu_limit: float | None = None
+) -> None:
     """Compile (or load) (tactic, moe) variants before CUDA-graph capture."""
-    jit.ensure(jobs(tactics))
+    jit.ensure(jobs(tactics, swiglu, swiglu_limit))
 
 
 def _check_a(a: torch.Tensor, ndim: int, k: int) -> None:
@@ -90,8 +116,11 @@ def _launch(
     out3: torch.Tensor,  # (La, M, N) bf16, `_check_rows`
     offs: torch.Tensor | None,
     tactic: Tactic | None,
+    swiglu: bool = False,
+    swiglu_limit: float | None = None,
 ) -> None:
-    """Launch one GEMM (split-K tactics reduce in a thread-block cluster: no scratch)."""
+    """Launch one GEMM (split-K tactics reduce in a thread-block cluster: no scratch); with
+    `swiglu`, out3 has N / 2 columns."""
     la, m, k = a3.shape
     moe = offs is not None
     if tactic is None:
@@ -106,7 +135,7 @@ def _launch(
             f"{moe_tile_bound(m, wp.groups, tactic.tile_m)} MoE tiles, over the grid limit "
             f"{MAX_GRID_Y}; use a larger tile_m"
         )
-    kernel(tactic, moe)(*kernel_operands(a3, wp, out3, offs))
+    kernel(tactic, moe, swiglu, swiglu_limit)(*kernel_operands(a3, wp, out3, offs))
 
 
 def kernel_operands(
@@ -172,17 +201,25 @@ def moe(
     a: torch.Tensor,  # (T, K) bf16, rows grouped by expert
     offs: torch.Tensor,  # (E+1,) int32 on the device: expert e owns rows [offs[e], offs[e+1])
     wp: Weight,  # E groups
-    out: torch.Tensor | None = None,  # (T, N) bf16
+    out: torch.Tensor | None = None,  # (T, N) bf16; with swiglu (T, N/2)
     tactic: Tactic | None = None,
+    *,
+    swiglu: bool = False,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ dequant(wp[e])^T. One compile serves every routing; rows
-    outside [offs[0], offs[E]) are not written."""
+    outside [offs[0], offs[E]) are not written.
+    With `swiglu`, wp is a w13 in `cutedsl.sm90.weight.swiglu_row_order` and out[:, i] is the
+    clamped SwiGLU (limit `swiglu_limit`, None: no clamp) of gate i and up i, each rounded to
+    bf16 first: the bits `cutedsl.sm90.swiglu.swiglu_clamp` gives on the unfused output."""
     _check_a(a, 2, wp.k)
     check_tensor("offs", offs, (wp.groups + 1,), (torch.int32,))
     t = a.shape[0]
+    n_out = wp.n // 2 if swiglu else wp.n
     if out is None:
-        out = a.new_empty((t, wp.n))
+        out = a.new_empty((t, n_out))
+    check_tensor("out", out, (t, n_out), (torch.bfloat16,), a.device, contiguous=True)
     if t == 0:
         return out
-    _launch(a.unsqueeze(0), wp, out.view(1, t, wp.n), offs, tactic)
+    _launch(a.unsqueeze(0), wp, out.view(1, t, n_out), offs, tactic, swiglu, swiglu_limit)
     return out

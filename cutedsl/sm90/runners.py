@@ -17,17 +17,22 @@ h, the SwiGLU result, y) is a view of the workspace fetched per call; a call wit
 warmed up raises `cutedsl.workspace.WorkspaceError`. The routed experts allocate nothing: routing
 and the weighted combine are kernels (`cutedsl.sm90.routing`), and the combine sums each token's
 topk contributions in slot order without atomics, so the MoE output is the same bit for bit on
-every run. The clamped SwiGLU between the two GEMMs is `cutedsl.sm90.swiglu`.
+every run. The clamped SwiGLU between the two GEMMs is `cutedsl.sm90.swiglu`; with
+`CUTEDSL_SM90_FUSED_SWIGLU=1` the routed experts' w13 GEMM applies it in its epilogue instead (w13
+kept in `cutedsl.sm90.weight.swiglu_row_order`; the same bits, one launch and the h round trip
+fewer). The shared-expert MLP always runs it separately (its decode tactics split K).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from cutedsl import jit
 from cutedsl.sm90 import gemm, routing, swiglu
 from cutedsl.sm90.tactics import GpuSpec, Tactic, gpu_spec, reachable_tactics
-from cutedsl.sm90.weight import prepare_weight
+from cutedsl.sm90.weight import interleave_swiglu, prepare_weight
 from cutedsl.workspace import Workspace, for_role
 
 # Rows per chunk of the CPU SwiGLU's fp32 scratch (bounds it to 2 x CHUNK x I fp32 whatever the
@@ -35,6 +40,17 @@ from cutedsl.workspace import Workspace, for_role
 CHUNK = 4096
 # Routed rows reserved per token: topk <= 8 (DSv4 uses 6); the tactic warm-up assumes it too.
 MAX_TOPK = 8
+FUSED_SWIGLU_ENV = "CUTEDSL_SM90_FUSED_SWIGLU"
+
+
+def fused_swiglu() -> bool:
+    """Whether the routed experts fuse the clamped SwiGLU into their w13 GEMM
+    (`CUTEDSL_SM90_FUSED_SWIGLU`: 1 on, 0 or unset off); read when a `MoE` is built and when its
+    kernels are listed (`moe_jobs`), so the two agree."""
+    v = os.environ.get(FUSED_SWIGLU_ENV, "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"{FUSED_SWIGLU_ENV}={v!r}: expected 0 or 1")
+    return v == "1"
 
 
 def gemm_tactics(
@@ -52,10 +68,22 @@ def shared_mlp_tactics(h: int, i: int, max_tokens: int, spec: GpuSpec) -> set[tu
     )
 
 
-def moe_tactics(e: int, h: int, i: int, max_tokens: int, spec: GpuSpec) -> set[tuple[Tactic, bool]]:
-    """The GEMM variants of a `MoE` of e local experts (routed rows up to max_tokens * MAX_TOPK)."""
+def moe_tactics(
+    e: int, h: int, i: int, max_tokens: int, spec: GpuSpec
+) -> tuple[set[tuple[Tactic, bool]], set[tuple[Tactic, bool]]]:
+    """The (w13, w2) GEMM variants of a `MoE` of e local experts (routed rows up to
+    max_tokens * MAX_TOPK)."""
     rows = max_tokens * MAX_TOPK
-    return gemm_tactics(2 * i, h, e, True, rows, spec) | gemm_tactics(h, i, e, True, rows, spec)
+    return gemm_tactics(2 * i, h, e, True, rows, spec), gemm_tactics(h, i, e, True, rows, spec)
+
+
+def _moe_gemm_jobs(
+    e: int, h: int, i: int, limit: float | None, max_tokens: int, spec: GpuSpec, fused: bool
+) -> list[jit.Job]:
+    w13, w2 = moe_tactics(e, h, i, max_tokens, spec)
+    if fused:
+        return gemm.jobs(w13, swiglu=True, swiglu_limit=limit) + gemm.jobs(w2)
+    return gemm.jobs(w13 | w2) + [swiglu.job(limit)]
 
 
 # What each implementation's warmup(max_tokens) compiles on a CUDA device of `spec`, as jobs for
@@ -77,8 +105,10 @@ def shared_mlp_jobs(
 def moe_jobs(
     e: int, h: int, i: int, limit: float | None, max_tokens: int, spec: GpuSpec
 ) -> list[jit.Job]:
-    """`MoE`: its GEMMs, the routing kernels and the clamped SwiGLU."""
-    return gemm.jobs(moe_tactics(e, h, i, max_tokens, spec)) + routing.jobs() + [swiglu.job(limit)]
+    """`MoE`: its GEMMs, the routing kernels and the clamped SwiGLU (fused into the w13 GEMMs
+    when `fused_swiglu()`, else its own kernel)."""
+    fused = fused_swiglu()
+    return _moe_gemm_jobs(e, h, i, limit, max_tokens, spec, fused) + routing.jobs()
 
 
 def _mlp_reserve(ws: Workspace, rows: int, i: int) -> None:
@@ -152,9 +182,13 @@ class SharedMlp:
 
 
 class MoE:
-    def __init__(self, r) -> None:
+    def __init__(self, r, fused: bool | None = None) -> None:
+        """`fused`: the SwiGLU in the w13 GEMM's epilogue (None: `fused_swiglu()`)."""
         self.e = r.e
+        self.fused = fused_swiglu() if fused is None else fused
         self.wp13 = prepare_weight(r.w13, r.w13_scale, r.w13_scale_2, groups=r.e)
+        if self.fused:
+            interleave_swiglu(self.wp13)
         self.wp2 = prepare_weight(r.w2, r.w2_scale, r.w2_scale_2, groups=r.e)
         self.limit = r.swiglu_limit
         self.device = r.w13.device
@@ -167,9 +201,13 @@ class MoE:
         offs, tok, inv = routing.route(topk_ids, self.e, ws)
         a = ws.get("a", (t, hid), torch.bfloat16)
         torch.index_select(x, 0, tok, out=a)  # [M·topk, H], rows grouped by expert
-        h = ws.get("h", (t, self.wp13.n), torch.bfloat16)
-        gemm.moe(a, offs, self.wp13, out=h)
-        s = _swiglu(ws, h, self.limit)
+        if self.fused:
+            s = ws.get("s", (t, self.wp2.k), torch.bfloat16)
+            gemm.moe(a, offs, self.wp13, out=s, swiglu=True, swiglu_limit=self.limit)
+        else:
+            h = ws.get("h", (t, self.wp13.n), torch.bfloat16)
+            gemm.moe(a, offs, self.wp13, out=h)
+            s = _swiglu(ws, h, self.limit)
         y = ws.get("a", (t, hid), torch.bfloat16)  # a is dead: y reuses its memory
         # Rows past offs[E] (non-local assignments) are not written: combine never reads them.
         gemm.moe(s, offs, self.wp2, out=y)
@@ -184,14 +222,23 @@ class MoE:
 
     def warmup(self, max_tokens: int) -> None:
         spec = gpu_spec(self.device)
-        gemm.precompile(moe_tactics(self.e, self.wp13.k, self.wp2.k, max_tokens, spec))
+        w13, w2 = moe_tactics(self.e, self.wp13.k, self.wp2.k, max_tokens, spec)
+        if self.fused:
+            gemm.precompile(w13, swiglu=True, swiglu_limit=self.limit)
+            gemm.precompile(w2)
+        else:
+            gemm.precompile(w13 | w2)
         if self.device.type == "cuda":
             routing.precompile()
-            swiglu.kernel(self.limit)
+            if not self.fused:
+                swiglu.kernel(self.limit)
         ws = for_role(self.device, "main")
         rows, hid = max_tokens * MAX_TOPK, self.wp2.n
         routing.route_reserve(ws, rows, self.e)
         ws.reserve("moe.w", (rows,), torch.float32)
         ws.reserve("moe.out", (max_tokens, hid), torch.bfloat16)
         ws.reserve("a", (rows, hid), torch.bfloat16)
-        _mlp_reserve(ws, rows, self.wp2.k)
+        if self.fused:
+            ws.reserve("s", (rows, self.wp2.k), torch.bfloat16)
+        else:
+            _mlp_reserve(ws, rows, self.wp2.k)

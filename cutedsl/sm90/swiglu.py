@@ -24,6 +24,8 @@ def swiglu_clamp_bf16(
     m, i = h.shape[0], h.shape[1] // 2
     if out is None:
         out = h.new_empty((m, i))
+    if m == 0:
+        return out
     if tmp is None:
         tmp = torch.empty((2, m, i), dtype=torch.float32, device=h.device)
     c = tmp.shape[1]

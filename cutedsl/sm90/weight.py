@@ -223,3 +223,35 @@ def decode_emulated(wp: Weight) -> torch.Tensor:
 def dequantize_prepared(wp: Weight) -> torch.Tensor:
     """fp32 [L, N, K] = the weight the kernels multiply by, global scale included (tests)."""
     return decode_emulated(wp) * wp.gs[:, None, None]
+
+
+# ------------------------------------------------------------------------------ fused SwiGLU order
+
+SWIGLU_ROWS = 8  # gate (then up) rows per 16-row group of the fused SwiGLU's w13 order
+
+
+def swiglu_row_order(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 [n]: the w13 row (gate rows 0..I-1, then up rows I..2I-1; n = 2I) at each row of the
+    fused SwiGLU's order: rows 16 b .. 16 b + 7 are gate 8 b .. 8 b + 7 and rows 16 b + 8 ..
+    16 b + 15 are up 8 b .. 8 b + 7, so the GEMM's 16-row wgmma fragments hold each output
+    column's gate and up in one thread (`cutedsl.sm90.kernels.gemm`, `swiglu`)."""
+    if n % (2 * SWIGLU_ROWS):
+        raise ValueError(f"w13: {n} rows, expected 2I with I a multiple of {SWIGLU_ROWS}")
+    i = n // 2
+    g = SWIGLU_ROWS
+    # [b, h, r] -> h * I + 8 b + r
+    b = torch.arange(i // g, device=device).view(-1, 1, 1)
+    h = torch.arange(2, device=device).view(1, 2, 1)
+    r = torch.arange(g, device=device).view(1, 1, g)
+    return (h * i + g * b + r).reshape(n)
+
+
+def interleave_swiglu(wp: Weight) -> Weight:
+    """`wp` (a prepared w13: gate rows, then up rows) with its rows in `swiglu_row_order`, in
+    place one group at a time (the encoding is per row, so reordering the prepared rows equals
+    preparing reordered checkpoint rows; the temporary is one group). Returns `wp`."""
+    order = swiglu_row_order(wp.n, wp.w.device)
+    for g in range(wp.groups):
+        wp.w[g].copy_(wp.w[g].index_select(0, order))
+        wp.sf[g].copy_(wp.sf[g].index_select(1, order))
+    return wp

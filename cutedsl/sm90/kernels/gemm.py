@@ -52,8 +52,14 @@ Per CTA (one tile_n x tile_m output tile, one K split, one group), 2*tile_n cons
     too; split-K 4 / 8 store from registers (measured faster there).
   - the ring is as deep as lets two CTAs share an SM where registers allow (`_compute_stages`).
 
+Fused SwiGLU (`swiglu=True`, unsplit tiles with the staged epilogue; the routed w13): w holds w13
+in `cutedsl.sm90.weight.swiglu_row_order` (each 16-row group: 8 gate rows, then the 8 up rows of
+the same output columns), out is (N/2, M, L), and out[i] = bf16(swiglu_clamp_f32(g, u, L)) with
+g, u = the GEMM's gate and up outputs rounded to bf16: the bits of the unfused GEMM followed by
+`cutedsl.sm90.kernels.swiglu` (`_swiglu_epilogue`).
+
 Compile-time: tile_n (64|128), tile_m (16..256, multiple of 8), split_k (1..8, dividing tile_m/2;
-dense / grouped only), moe, dtypes, stages.
+dense / grouped only), moe, dtypes, stages, swiglu and its limit (a float > 0 or None).
 Runtime: M (or T), the group count, the token and group strides of a and out, offs, pointers,
 stream.
 Graph safety: no host sync; the grid depends on M/T, N, split_k and L only.
@@ -72,6 +78,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cutedsl.kernels import device_utils as du
 from cutedsl.kernels.checks import KernelTarget
 from cutedsl.sm90.kernels import decode as dec
+from cutedsl.sm90.kernels.swiglu import swiglu_clamp_f32
 from cutedsl.sm90.weight import DECODE_BIAS
 
 BK = 64  # logical K per pipeline stage (one 128-byte swizzle atom of bf16)
@@ -100,6 +107,8 @@ class Sm90Nvfp4W4A16GemmKernel:
         staged_epilogue: bool | None = None,
         producer: bool | None = None,
         k_per_stage: int | None = None,
+        swiglu: bool = False,
+        swiglu_limit: float | None = None,
     ):
         if tile_n not in (64, 128):
             raise ValueError(f"tile_n must be 64 or 128, got {tile_n}")
@@ -151,7 +160,12 @@ class Sm90Nvfp4W4A16GemmKernel:
         # The bf16 tile can go out through shared memory (stmatrix, then 16-byte stores of whole
         # token rows) for tiles of a multiple of 16 tokens, or split-K token slices of a
         # multiple of 16 whose staging fits the ring beside the parked fp32 tile.
-        self.pitch = tile_n * 2 + 16  # bytes per staged token row (conflict-free, see below)
+        # Fused SwiGLU: the tile's rows are (gate, up) pairs of 8-row groups and it stores
+        # tile_n / 2 output columns (`_swiglu_epilogue`).
+        self.out_cols = tile_n // 2 if swiglu else tile_n
+        # Bytes per staged token row: the 8 rows of one `stmatrix` and the 8 lanes of one 16-byte
+        # read then hit distinct banks.
+        self.pitch = self.out_cols * 2 + 16
         self.stage_off = 0 if split_k == 1 else 4 * tile_n * tile_m  # past the parked tile
         staged_ok = (
             tile_m % (16 * split_k) == 0
@@ -169,6 +183,16 @@ class Sm90Nvfp4W4A16GemmKernel:
                 f"ring for {tile_m // split_k} token rows of {self.pitch} B"
                 + (" beside the parked fp32 tile" if split_k > 1 else "")
             )
+        if swiglu_limit is not None and not (swiglu and swiglu_limit > 0):
+            raise ValueError(f"swiglu_limit {swiglu_limit}: needs swiglu=True and a limit > 0")
+        if swiglu and (split_k != 1 or not self.staged_epilogue):
+            raise ValueError(
+                "the fused SwiGLU needs an unsplit tile with the staged epilogue "
+                f"(tile_m % 16 == 0), got tile_m {tile_m}, split_k {split_k}, "
+                f"staged_epilogue {self.staged_epilogue}"
+            )
+        self.swiglu = swiglu
+        self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
         self.buffer_align_bytes = 1024
 
     @staticmethod
@@ -466,6 +490,10 @@ class Sm90Nvfp4W4A16GemmKernel:
                     acc, tCcC, tCgC, rows_left, scale, park, tidx, split,
                     mC_cta, n_tile, m_tile, act_l,
                 )  # fmt: skip
+            elif cutlass.const_expr(self.swiglu):
+                self._swiglu_epilogue(
+                    acc, mC_cta, n_tile, m_tile, act_l, rows_left, scale, park, tidx
+                )
             elif cutlass.const_expr(self.staged_epilogue):
                 self._staged_epilogue(
                     acc, mC_cta, n_tile, m_tile, act_l, rows_left, scale, park, tidx
@@ -545,22 +573,35 @@ class Sm90Nvfp4W4A16GemmKernel:
 
     @cute.jit
     def _store_token_rows(self, base, n_tok, tok_first, mC, n_tile, m_tile, act_l, rows_left, tidx):
-        """Write staged token rows [0, n_tok) at `base` (pitch self.pitch) to tokens
-        m_tile * tile_m + tok_first + t of `mC`: each warpgroup its 64 weight rows of every token
-        as 8 x 16-byte stores (whole 128-byte lines); tokens at or past `rows_left` (counted
-        from the tile's first token) are skipped."""
+        """Write staged token rows [0, n_tok) at `base` (pitch self.pitch) to tokens m_tile * tile_m + tok_first + t of `mC`: each warpgroup its out_cols /
+        num_wg columns of every token as 16-byte stores (64 columns: 8 threads per token, 16
+        tokens per pass; the SwiGLU's 32: 4 threads, 32 tokens); tokens at or past `rows_left`
+        (counted from the tile's first token) are skipped."""
+        wg_cols = self.out_cols // self.num_wg
+        chunks = wg_cols // 8  # 16-byte chunks of a token row per warpgroup
+        per_pass = 128 // chunks  # tokens per pass
+        pitch = self.pitch
         wg = tidx // 128
-        chunk = tidx % 8
-        tok0 = (tidx % 128) // 8
-        n0 = n_tile * self.tile_n + wg * 64 + chunk * 8
-        ld_base = base + tok0 * self.pitch + wg * 128 + chunk * 16
+        chunk = tidx % chunks
+        tok0 = (tidx % 128) // chunks
+        n0 = n_tile * self.out_cols + wg * wg_cols + chunk * 8
+        ld_base = base + tok0 * pitch + wg * wg_cols * 2 + chunk * 16
         g_base = mC.iterator.toint()
-        for it in cutlass.range_constexpr(n_tok // 16):
-            token = tok_first + it * 16 + tok0
-            v = du.ld_shared_v4_b32(ld_base + it * 16 * self.pitch)
-            if token < rows_left:
-                idx = cute.crd2idx((n0, m_tile * self.tile_m + token, act_l), mC.layout)
-                du.st_global_v4_b32(g_base + cutlass.Int64(idx) * 2, v)
+        for it in cutlass.range_constexpr((n_tok + per_pass - 1) // per_pass):
+            token = tok_first + it * per_pass + tok0
+            if cutlass.const_expr(n_tok % per_pass == 0):
+                v = du.ld_shared_v4_b32(ld_base + it * per_pass * pitch)
+                if token < rows_left:
+                    idx = cute.crd2idx((n0, m_tile * self.tile_m + token, act_l), mC.layout)
+                    du.st_global_v4_b32(g_base + cutlass.Int64(idx) * 2, v)
+            else:  # a partial pass: threads past the staged rows store nothing
+                if it * per_pass + tok0 < n_tok:
+                    if token < rows_left:
+                        idx = cute.crd2idx((n0, m_tile * self.tile_m + token, act_l), mC.layout)
+                        du.st_global_v4_b32(
+                            g_base + cutlass.Int64(idx) * 2,
+                            du.ld_shared_v4_b32(ld_base + it * per_pass * pitch),
+                        )
 
     @cute.jit
     def _staged_epilogue(self, acc, mC, n_tile, m_tile, act_l, rows_left, scale, park, tidx):
@@ -576,6 +617,36 @@ class Sm90Nvfp4W4A16GemmKernel:
             for j in cutlass.range_constexpr(0, self.tile_m // 8, 2):
                 vals = tuple(acc[4 * j + v] for v in range(8))
                 du.stmatrix_x4_trans(st_base + j * 8 * self.pitch, self._bf16_words(vals, scale))
+        cute.arch.barrier()
+        if self._consumer(tidx):
+            self._store_token_rows(park, self.tile_m, 0, mC, n_tile, m_tile, act_l, rows_left, tidx)
+
+    @cute.jit
+    def _swiglu_epilogue(self, acc, mC, n_tile, m_tile, act_l, rows_left, scale, park, tidx):
+        """The clamped SwiGLU of the tile: weight rows 16 b + h * 8 + r (h = 0: gate, 1: up) are
+        gate and up of output column 8 b + r (`cutedsl.sm90.weight.interleave_swiglu`), so every
+        thread holds both halves of its outputs: accumulator i = e + 2 h + 4 j is (row lane / 4 +
+        8 h, token 8 j + 2 (lane % 4) + e) of its warp's 16 x tile_m block. Each half is
+        acc * scale rounded to bf16 (the value the unfused GEMM stores), then `swiglu_clamp_f32`,
+        then bf16; `stmatrix .x2 .trans` turns each warp's 8 columns x 16 tokens into token rows
+        at `park` (pitch self.pitch), which `_store_token_rows` writes out."""
+        pitch = self.pitch
+        lane = tidx % 32
+        q = (lane // 8) % 2  # lanes 16..31 repeat lanes 0..15's addresses (.x2 reads 0..15)
+        col_b = ((tidx // 128) * 32 + ((tidx % 128) // 32) * 8) * 2
+        st_base = park + (q * 8 + lane % 8) * pitch + col_b
+        cute.arch.barrier()  # every warpgroup is past its last WGMMA read of the ring
+        if self._consumer(tidx):
+            for j in cutlass.range_constexpr(0, self.tile_m // 8, 2):
+                words = []
+                for jj in cutlass.range_constexpr(2):
+                    outs = []
+                    for e in cutlass.range_constexpr(2):
+                        g = du.bf16_round(acc[4 * (j + jj) + e] * scale)
+                        u = du.bf16_round(acc[4 * (j + jj) + 2 + e] * scale)
+                        outs.append(swiglu_clamp_f32(g, u, self.swiglu_limit))
+                    words.append(du.cvt_bf16x2_f32(outs[0], outs[1]))
+                du.stmatrix_x2_trans(st_base + j * 8 * pitch, tuple(words))
         cute.arch.barrier()
         if self._consumer(tidx):
             self._store_token_rows(park, self.tile_m, 0, mC, n_tile, m_tile, act_l, rows_left, tidx)
@@ -767,8 +838,9 @@ class Sm90Nvfp4W4A16GemmKernel:
 # ------------------------------------------------------------------------------ fake tensors
 
 
-def fake_operands(moe: bool):
-    """Fake (a, w, sf, gs, out, offs, stream): dynamic M/T, N, K and group count."""
+def fake_operands(moe: bool, swiglu: bool = False):
+    """Fake (a, w, sf, gs, out, offs, stream): dynamic M/T, N, K and group count (the fused
+    SwiGLU's out has its own column count, N / 2)."""
     s32 = cute.sym_int32
     m = s32(symbol="M")
     n = s32(divisibility=64, symbol="N")
@@ -789,7 +861,8 @@ def fake_operands(moe: bool):
         cutlass.Int32, (n, kt, g), stride_order=(0, 1, 2), assumed_align=16
     )
     gs = make_fake_compact_tensor(cutlass.Float32, (g,), assumed_align=4)
-    out = make_fake_tensor(cutlass.BFloat16, (n, m, la), (1, scm, scl), assumed_align=16)
+    n_out = s32(divisibility=32, symbol="NO") if swiglu else n
+    out = make_fake_tensor(cutlass.BFloat16, (n_out, m, la), (1, scm, scl), assumed_align=16)
     offs = make_fake_compact_tensor(cutlass.Int32, (s32(symbol="E1"),), assumed_align=4)
     return a, w, sf, gs, out, offs, make_fake_stream(use_tvm_ffi_env_stream=True)
 
@@ -805,10 +878,13 @@ def compile_kernel(
     stages: int | None = None,
     producer: bool | None = None,
     k_per_stage: int | None = None,
+    swiglu: bool = False,
+    swiglu_limit: float | None = None,
 ) -> object:
     """cute.compile one variant from fake tensors (TVM-FFI, env stream); `staged_epilogue`,
     `stages`, `producer` and `k_per_stage` override the kernel's defaults (the GPU tests cover
-    both sides of each default), `no_jit_engine` compiles without loading (no GPU needed)."""
+    both sides of each default), `swiglu` / `swiglu_limit` fuse the clamped SwiGLU into the
+    epilogue, `no_jit_engine` compiles without loading (no GPU needed)."""
     kernel = Sm90Nvfp4W4A16GemmKernel(
         tile_n=tile_n,
         tile_m=tile_m,
@@ -818,8 +894,10 @@ def compile_kernel(
         staged_epilogue=staged_epilogue,
         producer=producer,
         k_per_stage=k_per_stage,
+        swiglu=swiglu,
+        swiglu_limit=swiglu_limit,
     )
-    args = fake_operands(moe)
+    args = fake_operands(moe, swiglu)
     kw = {"no_jit_engine": True} if no_jit_engine else {}
     return cute.compile(kernel, *args, options="--enable-tvm-ffi", **kw)
 
@@ -847,7 +925,28 @@ def check_targets() -> list[KernelTarget]:
         ("sm90.w4a16_gemm.moe_offs.n128m192", 128, 192, 1, True,  # the MoE prefill tile
          (*staged, r"shfl\.sync\.up\.b32")),
     ]  # fmt: skip
-    return [
+    # The fused SwiGLU (routed w13): the bf16 rounding of gate and up, expf's range reduction,
+    # the IEEE division, the clamps (limit 10) and the x2 transposing store.
+    fused = (
+        r"cvt\.rn\.bf16\.f32",
+        r"cvt\.f32\.bf16",
+        r"fma\.rn\.f32\s+%f\d+, %f\d+, 0fBFB8AA3B",
+        r"ex2\.approx",
+        r"div\.rn\.f32",
+        r"stmatrix\.sync\.aligned\.m8n8\.x2\.trans",
+        r"st\.global\.v4\.b32",
+        r"shfl\.sync\.up\.b32",
+    )
+    swiglu = [
+        ("sm90.w4a16_gemm.moe_swiglu.n128m16", 128, 16, 10.0,
+         (*fused, r"setp\.ge\.f32\s+%p\d+, %f\d+, 0f41200000")),
+        ("sm90.w4a16_gemm.moe_swiglu.n64m32", 64, 32, 10.0, fused),
+        ("sm90.w4a16_gemm.moe_swiglu.n128m192.nolimit", 128, 192, None, fused),
+    ]  # fmt: skip
+    common = (r"wgmma\.mma_async", r"shf\.l\.wrap\.b32", r"mul\.rn\.bf16x2", r"prmt\.b32",
+              r"cp\.async\.bulk\.tensor")  # fmt: skip
+    sass = (r"HGMMA\.64x\d+x16\.F32\.BF16 R\d+, R\d+, gdesc",)
+    out = [
         KernelTarget(
             name=name,
             arch="sm_90a",
@@ -856,18 +955,26 @@ def check_targets() -> list[KernelTarget]:
                     tn, tm, sk, moe, no_jit_engine=True
                 )
             ),
-            ptx_patterns=(
-                r"wgmma\.mma_async",
-                r"shf\.l\.wrap\.b32",
-                r"mul\.rn\.bf16x2",
-                r"prmt\.b32",
-                r"cp\.async\.bulk\.tensor",
-                *extra,
-            ),
-            sass_patterns=(r"HGMMA\.64x\d+x16\.F32\.BF16 R\d+, R\d+, gdesc",),
+            ptx_patterns=(*common, *extra),
+            sass_patterns=sass,
             # `_compute_stages` gives 128x128 the ring of two CTAs per SM: 2 x 256 threads must
             # fit the 64K registers
             max_registers=128 if (tn, tm) == (128, 128) else None,
         )
         for name, tn, tm, sk, moe, extra in variants
     ]
+    out += [
+        KernelTarget(
+            name=name,
+            arch="sm_90a",
+            compile=(
+                lambda tn=tn, tm=tm, lim=lim: compile_kernel(
+                    tn, tm, 1, True, swiglu=True, swiglu_limit=lim, no_jit_engine=True
+                )
+            ),
+            ptx_patterns=(*common, *extra),
+            sass_patterns=sass,
+        )
+        for name, tn, tm, lim, extra in swiglu
+    ]
+    return out

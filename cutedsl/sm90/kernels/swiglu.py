@@ -34,6 +34,17 @@ THREADS = 128
 VEC = 8  # bf16 columns per thread and step (16 bytes)
 
 
+def swiglu_clamp_f32(g: Float32, u: Float32, limit: float | None) -> Float32:
+    """silu(min(g, L)) * clamp(u, -L, L) of two fp32 values, in the order the module docstring
+    gives (no clamps when `limit` is None). Traced inside a kernel; every kernel that applies
+    DSv4's SwiGLU calls this one statement, so they round alike."""
+    if limit is not None:
+        g = cutlass.min(g, Float32(limit))
+        u = cutlass.max(cutlass.min(u, Float32(limit)), Float32(-limit))
+    e = cute.math.exp(-g, fastmath=False)
+    return g / (Float32(1.0) + e) * u
+
+
 class SwigluClampKernel:
     """out = silu(min(gate, L)) * clamp(up, -L, L) per row (see the module docstring)."""
 
@@ -64,13 +75,7 @@ class SwigluClampKernel:
             g = rg.load().to(Float32)
             u = ru.load().to(Float32)
             for i in cutlass.range_constexpr(VEC):
-                gi = g[i]
-                ui = u[i]
-                if cutlass.const_expr(self.limit is not None):
-                    gi = cutlass.min(gi, Float32(self.limit))
-                    ui = cutlass.max(cutlass.min(ui, Float32(self.limit)), Float32(-self.limit))
-                e = cute.math.exp(-gi, fastmath=False)
-                acc[i] = gi / (Float32(1.0) + e) * ui
+                acc[i] = swiglu_clamp_f32(g[i], u[i], self.limit)
             ro.store(acc.load().to(cutlass.BFloat16))
             cute.autovec_copy(ro, cute.local_tile(orow, (VEC,), (c,)))
 
