@@ -520,6 +520,23 @@ def test_unverified_token_tiles_are_refused(tile_m: int) -> None:
 
 
 @pytest.mark.sm90
+@pytest.mark.parametrize("tactic", [(64, 16, 8), (128, 16, 1), (64, 32, 2), (128, 128, 1)])
+def test_linear_reads_a_column_slice_in_place(tactic) -> None:
+    """A column slice of a wider tensor as `a` (row stride K + 64): the same bits as its
+    contiguous copy, at decode and prefill tactics (split-K and unsplit)."""
+    n, k, m = 512, 1024, 37
+    packed, sf, gs = _rand_weight(1, n, k)
+    wp = W.prepare_weight(packed[0], sf[0], gs)
+    wide = torch.randn(m, k + 64, device="cuda", dtype=torch.bfloat16)
+    a = wide[:, 32 : 32 + k]
+    got, want = _poison((m, n)), _poison((m, n))
+    G.linear(a, wp, out=got, tactic=Tactic(*tactic))
+    G.linear(a.contiguous(), wp, out=want, tactic=Tactic(*tactic))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"tactic {tactic}"
+    _assert_close(got, _ref(a, packed[0], sf[0], gs[0]), f"column slice, tactic {tactic}")
+
+
+@pytest.mark.sm90
 @pytest.mark.parametrize("tactic", [(64, 16, 1), (64, 16, 4), (128, 256, 1)])
 def test_dense_special_scales(tactic) -> None:
     """Every e4m3 scale magnitude (subnormals, 0, 448) and negative scales, on the device."""
@@ -668,6 +685,21 @@ def test_grouped_refuses_operands_the_kernel_cannot_address() -> None:
         G.grouped(
             buf[..., :128].transpose(0, 1), wp, out=torch.zeros(2, 64, 4).bfloat16().transpose(1, 2)
         )
+
+
+def test_linear_refuses_rows_the_kernel_cannot_address() -> None:
+    """linear() reads a row-strided `a` in place and refuses, by name, a K stride other than 1,
+    a row stride not a positive multiple of 8 and a start off 16 bytes (CPU: nothing runs)."""
+    packed, sf, gs = _rand_weight(1, 64, 128, dev="cpu")
+    wp = W.prepare_weight(packed[0], sf[0], gs)
+    wide = torch.zeros(4, 136, dtype=torch.bfloat16)
+    assert G.rows_addressable(wide[:, 8:]) and G.rows_addressable(wide)
+    for bad in (torch.zeros(128, 4, dtype=torch.bfloat16).T, wide[:, 1:129],
+                torch.zeros(4, 130, dtype=torch.bfloat16)[:, :128],
+                torch.zeros(1, 128, dtype=torch.bfloat16).expand(4, 128)):  # fmt: skip
+        assert not G.rows_addressable(bad)
+        with pytest.raises(ValueError, match="a: strides"):
+            G.linear(bad, wp)
 
 
 MEASURED = [

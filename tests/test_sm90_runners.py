@@ -55,6 +55,38 @@ def test_linear(emulated_launch, monkeypatch) -> None:
     assert not workspace._SHARED and not any(isinstance(v, Workspace) for v in vars(impl).values())
 
 
+def test_linear_reads_column_slices_in_place(emulated_launch, monkeypatch) -> None:
+    """A column slice of a wider tensor (row stride a multiple of 8) goes to the kernel as it is
+    (no copy); a transposed input, a row stride not a multiple of 8 and a (1, K) tensor with odd
+    strides are copied first; every result equals the reference (the linear and the shared
+    MLP's first GEMM)."""
+    g = fresh_gen()
+    n, k = 128, 256
+    wq = quantized(n, k, gen=g)
+    impl = sm90_runners.Linear(Nvfp4Linear(*wq, backend="reference"))
+    w13, w2 = quantized(2 * 64, k, gen=g, scale=0.5), quantized(k, 64, gen=g, scale=0.3)
+    mlp = sm90_runners.SharedMlp(Nvfp4SharedMlp(*w13, None, *w2, None, swiglu_limit=LIMIT,
+                                                backend="reference"))  # fmt: skip
+    mlp.warmup(8)
+    seen = []
+    launch = gemm._launch
+    monkeypatch.setattr(gemm, "_launch", lambda a3, *rest: (seen.append(a3), launch(a3, *rest))[1])
+    wide = bf16(5, k + 24, gen=g)
+    cases = [
+        (wide[:, 16 : 16 + k], True),  # column slice: row stride k + 24
+        (bf16(k, 5, gen=g).T, False),  # transposed
+        (bf16(5, k + 4, gen=g)[:, :k], False),  # row stride k + 4
+        (bf16(k, 1, gen=g).T, False),  # (1, K) with strides (1, 1)
+    ]
+    for x, in_place in cases:
+        got = impl(x)
+        assert (seen[-1].data_ptr() == x.data_ptr()) is in_place, x.stride()
+        assert_close_to_ref(got, reference.nvfp4_linear_ref(x, *wq))
+        got = mlp(x)
+        assert (seen[-2].data_ptr() == x.data_ptr()) is in_place, x.stride()
+        assert_close_to_ref(got, reference.nvfp4_shared_mlp_ref(x, *w13, *w2, LIMIT))
+
+
 def test_grouped_oproj(emulated_launch, monkeypatch) -> None:
     """The token-major [T, G, D] input and the [T, G, R] result go to the kernel as transposed
     views (no copy, no workspace): more rows than warmed up still run."""

@@ -3,7 +3,7 @@
 Legend: M tokens, N out features, K in features (logical; packed bytes K//2), G groups (wo_a),
 E experts, T routed rows (MoE).
 
-  linear(a[M, K], wp) -> [M, N]                                   (attention projections, MLPs)
+  linear(a[M, K], wp) -> [M, N]                     (attention projections, MLPs; a row-strided)
   grouped(a[G, M, K], wp(G groups)) -> [G, M, N]                  (wo_a; a, out strided views)
   moe(a[T, K], offs[E+1] int32 on the device, wp(E groups)) -> [T, N]   (routed experts)
   moe(..., swiglu=True, swiglu_limit=L) -> [T, N/2]   (routed w13 in `swiglu_row_order`, with
@@ -89,13 +89,22 @@ def _check_a(a: torch.Tensor, ndim: int, k: int) -> None:
     check_tensor("a", a, (None,) * (ndim - 1) + (k,), (torch.bfloat16,), contiguous=True)
 
 
+def rows_addressable(t: torch.Tensor) -> bool:
+    """Whether the kernel reads or writes `t` in place as its a / out operand: unit stride along
+    the last dim, the other strides positive multiples of 8 elements (no broadcast rows) and a
+    16-byte aligned start (each row one aligned 16-byte multiple), e.g. a contiguous tensor or a
+    column slice of one."""
+    lead = t.stride()[:-1]
+    return t.stride(-1) == 1 and all(s > 0 and s % 8 == 0 for s in lead) and t.data_ptr() % 16 == 0
+
+
 def _check_rows(name: str, t: torch.Tensor) -> None:
-    """The kernel's a / out operand: unit stride along the last dim, the other strides multiples
-    of 8 elements and a 16-byte aligned start (each row one aligned 16-byte multiple)."""
-    if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) or t.data_ptr() % 16:
+    """Raise unless `rows_addressable(t)`."""
+    if not rows_addressable(t):
         raise ValueError(
             f"{name}: strides {list(t.stride())} (start at byte {t.data_ptr() % 16} mod 16), "
-            "expected unit stride along the last dim, the others multiples of 8, 16-byte aligned"
+            "expected unit stride along the last dim, the others positive multiples of 8, "
+            "16-byte aligned"
         )
 
 
@@ -158,15 +167,17 @@ def kernel_operands(
 
 
 def linear(
-    a: torch.Tensor,  # (M, K) bf16, contiguous
+    a: torch.Tensor,  # (M, K) bf16, `rows_addressable` (contiguous, or e.g. a column slice)
     wp: Weight,  # one group
     out: torch.Tensor | None = None,  # (M, N) bf16
     tactic: Tactic | None = None,
 ) -> torch.Tensor:
-    """out = a @ dequant(wp)^T, fp32 accumulation, BF16 out. M may be 0."""
+    """out = a @ dequant(wp)^T, fp32 accumulation, BF16 out. M may be 0. The kernel reads the
+    rows of `a` through its row stride: a column slice of a wider tensor needs no copy."""
     if wp.groups != 1:
         raise ValueError(f"wp: {wp.groups} groups, expected 1 (use grouped)")
-    _check_a(a, 2, wp.k)
+    check_tensor("a", a, (None, wp.k), (torch.bfloat16,))
+    _check_rows("a", a)
     m = a.shape[0]
     if out is None:
         out = a.new_empty((m, wp.n))

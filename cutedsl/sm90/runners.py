@@ -11,7 +11,8 @@ split-K reduces inside the kernel).
 Hot path: no compile once warm, no lock, no host sync, no CPU tensor, no data-dependent host
 branch. The only allocations are the op results (a linear's / the shared MLP's [M, N], the
 grouped o-proj's [T, G, R]: a torch.library custom op returns new tensors; inside a CUDA graph
-they come from the graph's private pool) and a copy of a non-contiguous input. Every
+they come from the graph's private pool) and a copy of an input whose rows the kernel cannot
+address (a column slice of a wider tensor is read in place). Every
 intermediate (the o-proj's per-group operand and output, routing buffers, the gathered MoE rows,
 h, the SwiGLU result, y) is a view of the workspace fetched per call; a call with more rows than
 warmed up raises `cutedsl.workspace.WorkspaceError`. The routed experts allocate nothing: routing
@@ -118,6 +119,13 @@ def _mlp_reserve(ws: Workspace, rows: int, i: int) -> None:
         ws.reserve("f32", (2, min(rows, CHUNK), i), torch.float32)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the GEMM's `a`: itself when the kernel can read it in place (contiguous, or a column
+    slice of a wider tensor: `gemm.rows_addressable`), else a copy with row-major strides (also
+    for a tensor torch calls contiguous whose size-1 dims carry odd strides)."""
+    return x if gemm.rows_addressable(x) else x.clone(memory_format=torch.contiguous_format)
+
+
 def _swiglu(ws: Workspace, h: torch.Tensor, limit: float | None) -> torch.Tensor:
     m, i = h.shape[0], h.shape[1] // 2
     out = ws.get("s", (m, i), torch.bfloat16)
@@ -133,7 +141,7 @@ class Linear:
         self.device = r.weight.device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # output: the op's result
-        return gemm.linear(x.contiguous(), self.wp)
+        return gemm.linear(_rows(x), self.wp)
 
     def warmup(self, max_tokens: int) -> None:
         wp = self.wp
@@ -168,7 +176,7 @@ class SharedMlp:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ws = for_role(self.device, "shared")
         h = ws.get("h", (x.shape[0], self.wp13.n), torch.bfloat16)
-        gemm.linear(x.contiguous(), self.wp13, out=h)
+        gemm.linear(_rows(x), self.wp13, out=h)
         s = _swiglu(ws, h, self.limit)
         return gemm.linear(s, self.wp2)  # the op's result
 
