@@ -573,10 +573,11 @@ class Sm90Nvfp4W4A16GemmKernel:
 
     @cute.jit
     def _store_token_rows(self, base, n_tok, tok_first, mC, n_tile, m_tile, act_l, rows_left, tidx):
-        """Write staged token rows [0, n_tok) at `base` (pitch self.pitch) to tokens m_tile * tile_m + tok_first + t of `mC`: each warpgroup its out_cols /
-        num_wg columns of every token as 16-byte stores (64 columns: 8 threads per token, 16
-        tokens per pass; the SwiGLU's 32: 4 threads, 32 tokens); tokens at or past `rows_left`
-        (counted from the tile's first token) are skipped."""
+        """Write staged token rows [0, n_tok) at `base` (pitch self.pitch) to tokens
+        m_tile * tile_m + tok_first + t of `mC`: each warpgroup its out_cols / num_wg columns of
+        every token as 16-byte stores (64 columns: 8 threads per token, 16 tokens per pass; the
+        SwiGLU's 32: 4 threads, 32 tokens); tokens at or past `rows_left` (counted from the
+        tile's first token) are skipped."""
         wg_cols = self.out_cols // self.num_wg
         chunks = wg_cols // 8  # 16-byte chunks of a token row per warpgroup
         per_pass = 128 // chunks  # tokens per pass
@@ -906,8 +907,9 @@ def check_targets() -> list[KernelTarget]:
     """One target per variant: dense/grouped (same kernel, L groups), split-K, MoE offsets. Every
     one must show register-A WGMMA (HGMMA reading an R operand), the prmt decode and TMA; unsplit
     dense / grouped also the staged epilogue (stmatrix, 16-byte stores); split-K the cluster
-    barrier and the distributed-shared-memory loads of the reduction. The n64m16, splitk4 and
-    MoE n128m16 variants have the producer warp, the others not."""
+    barrier and the distributed-shared-memory loads of the reduction; the fused-SwiGLU MoE
+    variants its math and their x2 stores. The n64m16, splitk4 and MoE n128m16 variants have the
+    producer warp, the others not."""
     staged = (r"stmatrix\.sync\.aligned\.m8n8\.x4\.trans", r"st\.global\.v4\.b32")
     variants = [
         ("sm90.w4a16_gemm.grouped.n128m256", 128, 256, 1, False, staged),
