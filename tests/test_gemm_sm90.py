@@ -373,7 +373,9 @@ def test_prepare_errors() -> None:
         W.prepare_weight(packed, bad.view(torch.float8_e4m3fn), 1.0)
 
 
-def test_swiglu_row_order_pairs_gate_and_up_in_each_fragment() -> None:
+def test_swiglu_row_order_pairs_gate_and_up_in_each_fragment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """`swiglu_row_order`: a permutation whose 16-row groups hold gate 8b..8b+7 then up
     8b..8b+7, so wgmma fragment rows lane/4 and lane/4 + 8 of a warp are gate and up of one
     output column; `interleave_swiglu` of a prepared w13 equals preparing the reordered
@@ -398,6 +400,11 @@ def test_swiglu_row_order_pairs_gate_and_up_in_each_fragment() -> None:
     got = W.interleave_swiglu(wp)
     assert torch.equal(got.w, want.w) and torch.equal(got.sf, want.sf)
     assert torch.equal(W.dequantize_prepared(got), plain[:, order])
+    # a group at a time and two groups at a time (a last partial chunk): the same
+    for chunk in (1, 2 * (n * k // 2 + 4 * n * k // 64)):
+        monkeypatch.setattr(W, "_REORDER_CHUNK_BYTES", chunk)
+        got = W.interleave_swiglu(W.prepare_weight(packed, sf, gs))
+        assert torch.equal(got.w, want.w) and torch.equal(got.sf, want.sf), chunk
 
 
 def test_fused_swiglu_limits_are_refused() -> None:

@@ -246,12 +246,18 @@ def swiglu_row_order(n: int, device: torch.device | str = "cpu") -> torch.Tensor
     return (h * i + g * b + r).reshape(n)
 
 
+_REORDER_CHUNK_BYTES = 64 << 20  # bounds the temporary of `interleave_swiglu`
+
+
 def interleave_swiglu(wp: Weight) -> Weight:
     """`wp` (a prepared w13: gate rows, then up rows) with its rows in `swiglu_row_order`, in
-    place one group at a time (the encoding is per row, so reordering the prepared rows equals
-    preparing reordered checkpoint rows; the temporary is one group). Returns `wp`."""
+    place, a few groups at a time (the encoding is per row, so reordering the prepared rows
+    equals preparing reordered checkpoint rows; the temporary stays under
+    _REORDER_CHUNK_BYTES, or one group). Returns `wp`."""
     order = swiglu_row_order(wp.n, wp.w.device)
-    for g in range(wp.groups):
-        wp.w[g].copy_(wp.w[g].index_select(0, order))
-        wp.sf[g].copy_(wp.sf[g].index_select(1, order))
+    step = max(1, _REORDER_CHUNK_BYTES // (wp.w[0].numel() + 4 * wp.sf[0].numel()))
+    for g0 in range(0, wp.groups, step):
+        g1 = min(wp.groups, g0 + step)
+        wp.w[g0:g1] = wp.w[g0:g1].index_select(1, order)
+        wp.sf[g0:g1] = wp.sf[g0:g1].index_select(2, order)
     return wp
