@@ -55,11 +55,12 @@ def test_linear(emulated_launch, monkeypatch) -> None:
     assert not workspace._SHARED and not any(isinstance(v, Workspace) for v in vars(impl).values())
 
 
-def test_linear_reads_column_slices_in_place(emulated_launch, monkeypatch) -> None:
+def test_linear_reads_column_slices_in_place(emulated_launch, monkeypatch, caplog) -> None:
     """A column slice of a wider tensor (row stride a multiple of 8) goes to the kernel as it is
     (no copy); a transposed input, a row stride not a multiple of 8 and a (1, K) tensor with odd
-    strides are copied first; every result equals the reference (the linear and the shared
-    MLP's first GEMM)."""
+    strides are copied first, each runner kind warning once per stride order; every result
+    equals the reference (the linear and the shared MLP's first GEMM)."""
+    monkeypatch.setattr(sm90_runners, "_COPY_WARNED", set())
     g = fresh_gen()
     n, k = 128, 256
     wq = quantized(n, k, gen=g)
@@ -79,12 +80,20 @@ def test_linear_reads_column_slices_in_place(emulated_launch, monkeypatch) -> No
         (bf16(k, 1, gen=g).T, False),  # (1, K) with strides (1, 1)
     ]
     for x, in_place in cases:
+        caplog.clear()
         got = impl(x)
         assert (seen[-1].data_ptr() == x.data_ptr()) is in_place, x.stride()
         assert_close_to_ref(got, reference.nvfp4_linear_ref(x, *wq))
         got = mlp(x)
         assert (seen[-2].data_ptr() == x.data_ptr()) is in_place, x.stride()
         assert_close_to_ref(got, reference.nvfp4_shared_mlp_ref(x, *w13, *w2, LIMIT))
+        warned = [r.getMessage() for r in caplog.records if "copied before every call" in r.message]
+        if in_place or x.stride() == (1, 1):  # (1, 1): the stride order of (k + 4, 1) again
+            assert not warned
+        else:
+            assert [w.split(":")[0] for w in warned] == ["cutedsl sm90 linear",
+                                                          "cutedsl sm90 shared MLP"]  # fmt: skip
+            assert str(tuple(x.stride())) in warned[0]
 
 
 def test_grouped_oproj(emulated_launch, monkeypatch) -> None:

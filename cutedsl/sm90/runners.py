@@ -26,6 +26,7 @@ fewer). The shared-expert MLP always runs it separately (its decode tactics spli
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -35,6 +36,8 @@ from cutedsl.sm90 import gemm, routing, swiglu
 from cutedsl.sm90.tactics import GpuSpec, Tactic, gpu_spec, reachable_tactics
 from cutedsl.sm90.weight import interleave_swiglu, prepare_weight
 from cutedsl.workspace import Workspace, for_role
+
+logger = logging.getLogger(__name__)
 
 # Rows per chunk of the CPU SwiGLU's fp32 scratch (bounds it to 2 x CHUNK x I fp32 whatever the
 # token count; on CUDA the SwiGLU and the MoE combine are kernels with no scratch).
@@ -119,11 +122,26 @@ def _mlp_reserve(ws: Workspace, rows: int, i: int) -> None:
         ws.reserve("f32", (2, min(rows, CHUNK), i), torch.float32)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+_COPY_WARNED: set[tuple[str, tuple[int, ...]]] = set()
+
+
+def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
     """x as the GEMM's `a`: itself when the kernel can read it in place (contiguous, or a column
     slice of a wider tensor: `gemm.rows_addressable`), else a copy with row-major strides (also
-    for a tensor torch calls contiguous whose size-1 dims carry odd strides)."""
-    return x if gemm.rows_addressable(x) else x.clone(memory_format=torch.contiguous_format)
+    for a tensor torch calls contiguous whose size-1 dims carry odd strides). A copy is logged
+    once per runner kind (`what`) and stride order, as a warning: it costs a kernel per call."""
+    if gemm.rows_addressable(x):
+        return x
+    order = tuple(sorted(range(x.ndim), key=lambda d: -x.stride(d)))
+    if (what, order) not in _COPY_WARNED:
+        _COPY_WARNED.add((what, order))
+        logger.warning(
+            "cutedsl sm90 %s: input %s with strides %s cannot be read in place (unit stride on "
+            "the last dim, the others positive multiples of 8, 16-byte aligned); it is copied "
+            "before every call",
+            what, tuple(x.shape), tuple(x.stride()),
+        )  # fmt: skip
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def _swiglu(ws: Workspace, h: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -141,7 +159,7 @@ class Linear:
         self.device = r.weight.device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # output: the op's result
-        return gemm.linear(_rows(x), self.wp)
+        return gemm.linear(_rows(x, "linear"), self.wp)
 
     def warmup(self, max_tokens: int) -> None:
         wp = self.wp
@@ -176,7 +194,7 @@ class SharedMlp:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ws = for_role(self.device, "shared")
         h = ws.get("h", (x.shape[0], self.wp13.n), torch.bfloat16)
-        gemm.linear(_rows(x), self.wp13, out=h)
+        gemm.linear(_rows(x, "shared MLP"), self.wp13, out=h)
         s = _swiglu(ws, h, self.limit)
         return gemm.linear(s, self.wp2)  # the op's result
 
