@@ -87,12 +87,12 @@ def test_linear_reads_column_slices_in_place(emulated_launch, monkeypatch, caplo
         got = mlp(x)
         assert (seen[-2].data_ptr() == x.data_ptr()) is in_place, x.stride()
         assert_close_to_ref(got, reference.nvfp4_shared_mlp_ref(x, *w13, *w2, LIMIT))
-        warned = [r.getMessage() for r in caplog.records if "copied before every call" in r.message]
+        warned = [r.getMessage() for r in caplog.records if "copied on every call" in r.message]
         if in_place or x.stride() == (1, 1):  # (1, 1): the stride order of (k + 4, 1) again
             assert not warned
         else:
-            assert [w.split(":")[0] for w in warned] == ["cutedsl sm90 linear",
-                                                          "cutedsl sm90 shared MLP"]  # fmt: skip
+            assert [w.split(":")[0] for w in warned] == ["cutedsl sm90 linear input",
+                                                          "cutedsl sm90 shared MLP input"]  # fmt: skip
             assert str(tuple(x.stride())) in warned[0]
 
 
@@ -256,9 +256,11 @@ def test_route_into_workspace_matches_fresh() -> None:
     assert torch.equal(want[2].T.reshape(-1).long(), torch.where(flat >= 0, row, -1))
 
 
-def test_moe_strided_operands(emulated_launch, monkeypatch) -> None:
+def test_moe_strided_operands(emulated_launch, monkeypatch, caplog) -> None:
     """int64 ids, non-contiguous topk_weights and a non-contiguous `out`: the copies go through
-    the reserved workspace ("route.ids", "moe.w", "moe.out"), the result is unchanged."""
+    the reserved workspace ("route.ids", "moe.w", "moe.out"), the result is unchanged, and the
+    output copy is logged once."""
+    monkeypatch.setattr(sm90_runners, "_COPY_WARNED", set())
     g = fresh_gen()
     e, h, i, k, m = 4, 128, 64, 2, 5
     w13, w2 = quantized(e, 2 * i, h, gen=g, scale=0.5), quantized(e, h, i, gen=g, scale=0.3)
@@ -276,6 +278,9 @@ def test_moe_strided_operands(emulated_launch, monkeypatch) -> None:
     ref = torch.full((m, h), float("nan"), dtype=torch.bfloat16)
     impl(x, ids, tw.contiguous(), ref)
     assert torch.equal(out, ref)
+    impl(x, ids, tw, out)
+    warned = [r.getMessage() for r in caplog.records if "copied on every call" in r.message]
+    assert len(warned) == 1 and warned[0].startswith("cutedsl sm90 routed experts output: (5, 128)")
 
 
 def test_gpu_backend_runners_hold_only_their_prepared_weights(emulated_launch, monkeypatch) -> None:

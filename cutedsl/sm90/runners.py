@@ -125,22 +125,28 @@ def _mlp_reserve(ws: Workspace, rows: int, i: int) -> None:
 _COPY_WARNED: set[tuple[str, tuple[int, ...]]] = set()
 
 
-def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
-    """x as the GEMM's `a`: itself when the kernel can read it in place (contiguous, or a column
-    slice of a wider tensor: `gemm.rows_addressable`), else a copy with row-major strides (also
-    for a tensor torch calls contiguous whose size-1 dims carry odd strides). A copy is logged
-    once per runner kind (`what`) and stride order, as a warning: it costs a kernel per call."""
-    if gemm.rows_addressable(x):
-        return x
-    order = tuple(sorted(range(x.ndim), key=lambda d: -x.stride(d)))
+def _warn_copy(what: str, t: torch.Tensor) -> None:
+    """Log, once per runner tensor (`what`) and stride order, that `t` is copied on every call
+    (a warning: it costs a kernel per call)."""
+    order = tuple(sorted(range(t.ndim), key=lambda d: -t.stride(d)))
     if (what, order) not in _COPY_WARNED:
         _COPY_WARNED.add((what, order))
         logger.warning(
-            "cutedsl sm90 %s: input %s with strides %s cannot be read in place (unit stride on "
-            "the last dim, the others positive multiples of 8, 16-byte aligned); it is copied "
-            "before every call",
-            what, tuple(x.shape), tuple(x.stride()),
+            "cutedsl sm90 %s: %s with strides %s (start at byte %d mod 16) cannot be used in "
+            "place (unit stride on the last dim, the others positive multiples of 8, 16-byte "
+            "aligned); it is copied on every call",
+            what, tuple(t.shape), tuple(t.stride()), t.data_ptr() % 16,
         )  # fmt: skip
+
+
+def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
+    """x as the GEMM's `a`: itself when the kernel can read it in place (contiguous, or a column
+    slice of a wider tensor: `gemm.rows_addressable`), else a copy with row-major strides (also
+    for a tensor torch calls contiguous whose size-1 dims carry odd strides), logged once
+    (`_warn_copy`)."""
+    if gemm.rows_addressable(x):
+        return x
+    _warn_copy(what, x)
     return x.clone(memory_format=torch.contiguous_format)
 
 
@@ -159,7 +165,7 @@ class Linear:
         self.device = r.weight.device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # output: the op's result
-        return gemm.linear(_rows(x, "linear"), self.wp)
+        return gemm.linear(_rows(x, "linear input"), self.wp)
 
     def warmup(self, max_tokens: int) -> None:
         wp = self.wp
@@ -194,7 +200,7 @@ class SharedMlp:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ws = for_role(self.device, "shared")
         h = ws.get("h", (x.shape[0], self.wp13.n), torch.bfloat16)
-        gemm.linear(_rows(x, "shared MLP"), self.wp13, out=h)
+        gemm.linear(_rows(x, "shared MLP input"), self.wp13, out=h)
         s = _swiglu(ws, h, self.limit)
         return gemm.linear(s, self.wp2)  # the op's result
 
@@ -244,6 +250,7 @@ class MoE:
         direct = out.is_contiguous() and out.data_ptr() % 16 == 0
         routing.combine(y, inv, w, out if direct else res)
         if not direct:
+            _warn_copy("routed experts output", out)
             out.copy_(res)
 
     def warmup(self, max_tokens: int) -> None:
