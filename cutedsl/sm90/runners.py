@@ -125,17 +125,19 @@ def _mlp_reserve(ws: Workspace, rows: int, i: int) -> None:
 _COPY_WARNED: set[tuple[str, tuple[int, ...]]] = set()
 
 
-def _warn_copy(what: str, t: torch.Tensor) -> None:
+_ROWS_NEED = "unit stride on the last dim, the others positive multiples of 8, 16-byte aligned"
+
+
+def _warn_copy(what: str, t: torch.Tensor, need: str) -> None:
     """Log, once per runner tensor (`what`) and stride order, that `t` is copied on every call
-    (a warning: it costs a kernel per call)."""
+    because it is not what the kernel needs (`need`): a warning, as it costs a kernel per call."""
     order = tuple(sorted(range(t.ndim), key=lambda d: -t.stride(d)))
     if (what, order) not in _COPY_WARNED:
         _COPY_WARNED.add((what, order))
         logger.warning(
             "cutedsl sm90 %s: %s with strides %s (start at byte %d mod 16) cannot be used in "
-            "place (unit stride on the last dim, the others positive multiples of 8, 16-byte "
-            "aligned); it is copied on every call",
-            what, tuple(t.shape), tuple(t.stride()), t.data_ptr() % 16,
+            "place (%s); it is copied on every call",
+            what, tuple(t.shape), tuple(t.stride()), t.data_ptr() % 16, need,
         )  # fmt: skip
 
 
@@ -146,7 +148,7 @@ def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
     (`_warn_copy`)."""
     if gemm.rows_addressable(x):
         return x
-    _warn_copy(what, x)
+    _warn_copy(what, x, _ROWS_NEED)
     return x.clone(memory_format=torch.contiguous_format)
 
 
@@ -250,7 +252,7 @@ class MoE:
         direct = out.is_contiguous() and out.data_ptr() % 16 == 0
         routing.combine(y, inv, w, out if direct else res)
         if not direct:
-            _warn_copy("routed experts output", out)
+            _warn_copy("routed experts output", out, "contiguous, 16-byte aligned")
             out.copy_(res)
 
     def warmup(self, max_tokens: int) -> None:
