@@ -1,9 +1,17 @@
 """Input checks shared by the runners and both backends: each failure is one `ValueError` naming the
-tensor (or value), what was found and what was expected."""
+tensor (or value), what was found and what was expected. Also the one rule both backends' kernels
+read activation rows by (`rows_addressable`), and the copy a runner makes of an input that breaks
+it (`readable_rows`, logged once)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
+
+ROWS_NEED = "unit stride on the last dim, the others positive multiples of 8, 16-byte aligned"
 
 
 def require(cond: bool, msg: str) -> None:
@@ -66,3 +74,37 @@ def per_expert_f32(
     if t.shape != (e,):
         raise ValueError(f"{name}: shape {list(t.shape)}, expected [{e}] (one scale per expert)")
     return t
+
+
+def rows_addressable(t: torch.Tensor) -> bool:
+    """Whether a kernel reads or writes `t` in place through its strides (`ROWS_NEED`): unit
+    stride along the last dim, the other strides positive multiples of 8 elements (no broadcast
+    rows) and a 16-byte aligned start, e.g. a contiguous tensor or a column slice of one."""
+    lead = t.stride()[:-1]
+    return t.stride(-1) == 1 and all(s > 0 and s % 8 == 0 for s in lead) and t.data_ptr() % 16 == 0
+
+
+_COPY_WARNED: set[tuple[str, tuple[int, ...]]] = set()
+
+
+def warn_copy(what: str, t: torch.Tensor, need: str) -> None:
+    """Log, once per runner tensor (`what`) and stride order, that `t` is copied on every call
+    because it is not what the kernel needs (`need`): a warning, as it costs a kernel per call."""
+    order = tuple(sorted(range(t.ndim), key=lambda d: -t.stride(d)))
+    if (what, order) not in _COPY_WARNED:
+        _COPY_WARNED.add((what, order))
+        logger.warning(
+            "cutedsl %s: %s with strides %s (start at byte %d mod 16) cannot be used in place "
+            "(%s); it is copied on every call",
+            what, tuple(t.shape), tuple(t.stride()), t.data_ptr() % 16, need,
+        )  # fmt: skip
+
+
+def readable_rows(x: torch.Tensor, what: str) -> torch.Tensor:
+    """x as a kernel's activation operand: itself when `rows_addressable` (contiguous, or a column
+    slice of a wider tensor), else a copy with row-major strides (also for a tensor torch calls
+    contiguous whose size-1 dims carry odd strides), logged once (`warn_copy`)."""
+    if rows_addressable(x):
+        return x
+    warn_copy(what, x, ROWS_NEED)
+    return x.clone(memory_format=torch.contiguous_format)

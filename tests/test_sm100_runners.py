@@ -85,6 +85,34 @@ def test_linear(monkeypatch, m: int) -> None:
         lin(bf16(257, 512, gen=g))  # 130 rows pad to 256; 257 do not fit
 
 
+def test_linear_and_shared_mlp_quantize_column_slices_in_place(monkeypatch) -> None:
+    """A column slice of a wider tensor reaches the activation quantizer as it is (its row
+    stride; no copy) and gives the bits of its contiguous copy; a transposed input is copied."""
+    g = fresh_gen()
+    k, m = 256, 5
+    wq = quantized(256, k, gen=g)
+    w13, w2 = quantized(2 * 256, k, gen=g), quantized(k, 256, gen=g, scale=0.3)
+    wide = bf16(m, k + 64, gen=g, scale=3.0)
+    x = wide[:, 32 : 32 + k]
+    xs = _in_scale(x)
+    lin = Nvfp4Linear(*wq, input_scale=xs, backend=EMU)
+    mlp = Nvfp4SharedMlp(*w13, xs, *w2, torch.tensor(12.0 / 2688), swiglu_limit=LIMIT, backend=EMU)
+    _warm(lin, 8)
+    _warm(mlp, 8)
+    seen = []
+    quant = emulate.EMULATED.quant
+    monkeypatch.setattr(
+        emulate.EMULATED, "quant", lambda x3, *rest: (seen.append(x3), quant(x3, *rest))[1]
+    )
+    for run in (lin, mlp):
+        got = run(x)
+        assert seen[-1 if run is lin else -2].data_ptr() == x.data_ptr()
+        assert torch.equal(got, run(x.contiguous()))
+        xt = x.contiguous().T.contiguous().T  # same values, column-major
+        assert torch.equal(run(xt), got)
+        assert seen[-1 if run is lin else -2].data_ptr() != xt.data_ptr()
+
+
 @pytest.mark.parametrize("t", [9, 128])
 def test_grouped_oproj(monkeypatch, t: int) -> None:
     """o (T, NH, hd) -> inverse RoPE into the "main" workspace -> quant reads (T, G, D) in place

@@ -15,7 +15,7 @@ from nvfp4_data import assert_close_to_ref, bf16, fresh_gen, quantized, sm90_lau
 from nvfp4_data import no_reserve as _no_reserve
 from nvfp4_data import warm_and_poison as _warm
 
-from cutedsl import reference, workspace
+from cutedsl import reference, validate, workspace
 from cutedsl.grouped_oproj import Nvfp4GroupedOproj
 from cutedsl.linear import Nvfp4Linear
 from cutedsl.moe import Nvfp4MoE
@@ -60,7 +60,7 @@ def test_linear_reads_column_slices_in_place(emulated_launch, monkeypatch, caplo
     (no copy); a transposed input, a row stride not a multiple of 8 and a (1, K) tensor with odd
     strides are copied first, each runner kind warning once per stride order; every result
     equals the reference (the linear and the shared MLP's first GEMM)."""
-    monkeypatch.setattr(sm90_runners, "_COPY_WARNED", set())
+    monkeypatch.setattr(validate, "_COPY_WARNED", set())
     g = fresh_gen()
     n, k = 128, 256
     wq = quantized(n, k, gen=g)
@@ -260,7 +260,7 @@ def test_moe_strided_operands(emulated_launch, monkeypatch, caplog) -> None:
     """int64 ids, non-contiguous topk_weights and a non-contiguous `out`: the copies go through
     the reserved workspace ("route.ids", "moe.w", "moe.out"), the result is unchanged, and the
     output copy is logged once."""
-    monkeypatch.setattr(sm90_runners, "_COPY_WARNED", set())
+    monkeypatch.setattr(validate, "_COPY_WARNED", set())
     g = fresh_gen()
     e, h, i, k, m = 4, 128, 64, 2, 5
     w13, w2 = quantized(e, 2 * i, h, gen=g, scale=0.5), quantized(e, h, i, gen=g, scale=0.3)

@@ -8,8 +8,9 @@ weight_scale_2). Host-tested with the kernels emulated; compiled for sm_100a, ne
 
 Hot path: no compile once warm, no host sync, no CPU tensor. The only allocations are the op
 results (a linear's / the shared MLP's [M, N], the grouped o-proj's [T, G, R]: a torch.library
-custom op returns new tensors) and a copy of a non-contiguous input. Intermediates (the NVFP4
-activations and their scales, the shared MLP's h, the MoE layout, gathered rows, h, y and the
+custom op returns new tensors) and a copy of an input whose rows the activation quantizer
+cannot read in place (`cutedsl.validate.readable_rows`; the MoE's: any non-contiguous input).
+Intermediates (the NVFP4 activations and their scales, the shared MLP's h, the MoE layout, gathered rows, h, y and the
 fp32 combine accumulator) are views of a `cutedsl.workspace` reserved by `warmup(max_tokens)`
 (MoE and o-proj: role "main"; shared MLP: role "shared", vLLM may run it on a side stream; a
 linear: a private one, DSv4 runs two linears concurrently), fetched per call; a call with more
@@ -31,6 +32,7 @@ from cutedsl.sm100 import gemm
 from cutedsl.sm100.emulate import EMULATED
 from cutedsl.sm100.layout import TILE_M, oproj_padded_t
 from cutedsl.sm100.weight import interleave_w13, prepare_weight
+from cutedsl.validate import readable_rows
 from cutedsl.workspace import Workspace, for_role
 
 # Routed rows reserved per token: topk <= 8 (DSv4 uses 6).
@@ -70,9 +72,8 @@ class Linear(_Warm):
         self.ws = Workspace(r.weight.device, "linear")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return gemm.linear(
-            x.contiguous(), self.w, self.a_scale, self.alpha, ws=self.ws, kernels=self.kernels
-        )
+        x = readable_rows(x, "sm100 linear input")
+        return gemm.linear(x, self.w, self.a_scale, self.alpha, ws=self.ws, kernels=self.kernels)
 
     def _reserve(self, max_tokens: int) -> None:
         gemm.quant_reserve(self.ws, formats.round_up(max_tokens, TILE_M), self.w.k)
@@ -119,8 +120,8 @@ class SharedMlp(_Warm):
         ws = for_role(self.device, "shared")
         h = ws.get("h", (x.shape[0], self.w2.k), torch.bfloat16)
         gemm.linear(
-            x.contiguous(), self.w13, self.a13, self.alpha13, swiglu_limit=self.limit, out=h,
-            ws=ws, kernels=self.kernels,
+            readable_rows(x, "sm100 shared MLP input"), self.w13, self.a13, self.alpha13,
+            swiglu_limit=self.limit, out=h, ws=ws, kernels=self.kernels,
         )  # fmt: skip
         return gemm.linear(h, self.w2, self.a2, self.alpha2, ws=ws, kernels=self.kernels)
 

@@ -36,7 +36,7 @@ from cutedsl.sm90.tactics import (
     moe_tile_bound,
 )
 from cutedsl.sm90.weight import Weight
-from cutedsl.validate import check_tensor
+from cutedsl.validate import ROWS_NEED, check_tensor, rows_addressable
 
 
 def _build(
@@ -89,22 +89,12 @@ def _check_a(a: torch.Tensor, ndim: int, k: int) -> None:
     check_tensor("a", a, (None,) * (ndim - 1) + (k,), (torch.bfloat16,), contiguous=True)
 
 
-def rows_addressable(t: torch.Tensor) -> bool:
-    """Whether the kernel reads or writes `t` in place as its a / out operand: unit stride along
-    the last dim, the other strides positive multiples of 8 elements (no broadcast rows) and a
-    16-byte aligned start (each row one aligned 16-byte multiple), e.g. a contiguous tensor or a
-    column slice of one."""
-    lead = t.stride()[:-1]
-    return t.stride(-1) == 1 and all(s > 0 and s % 8 == 0 for s in lead) and t.data_ptr() % 16 == 0
-
-
 def _check_rows(name: str, t: torch.Tensor) -> None:
     """Raise unless `rows_addressable(t)`."""
     if not rows_addressable(t):
         raise ValueError(
             f"{name}: strides {list(t.stride())} (start at byte {t.data_ptr() % 16} mod 16), "
-            "expected unit stride along the last dim, the others positive multiples of 8, "
-            "16-byte aligned"
+            f"expected {ROWS_NEED}"
         )
 
 
@@ -167,7 +157,7 @@ def kernel_operands(
 
 
 def linear(
-    a: torch.Tensor,  # (M, K) bf16, `rows_addressable` (contiguous, or e.g. a column slice)
+    a: torch.Tensor,  # (M, K) bf16, `validate.rows_addressable` (e.g. a column slice)
     wp: Weight,  # one group
     out: torch.Tensor | None = None,  # (M, N) bf16
     tactic: Tactic | None = None,

@@ -26,7 +26,6 @@ fewer). The shared-expert MLP always runs it separately (its decode tactics spli
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -35,9 +34,8 @@ from cutedsl import jit
 from cutedsl.sm90 import gemm, routing, swiglu
 from cutedsl.sm90.tactics import GpuSpec, Tactic, gpu_spec, reachable_tactics
 from cutedsl.sm90.weight import interleave_swiglu, prepare_weight
+from cutedsl.validate import readable_rows, warn_copy
 from cutedsl.workspace import Workspace, for_role
-
-logger = logging.getLogger(__name__)
 
 # Rows per chunk of the CPU SwiGLU's fp32 scratch (bounds it to 2 x CHUNK x I fp32 whatever the
 # token count; on CUDA the SwiGLU and the MoE combine are kernels with no scratch).
@@ -122,36 +120,6 @@ def _mlp_reserve(ws: Workspace, rows: int, i: int) -> None:
         ws.reserve("f32", (2, min(rows, CHUNK), i), torch.float32)
 
 
-_COPY_WARNED: set[tuple[str, tuple[int, ...]]] = set()
-
-
-_ROWS_NEED = "unit stride on the last dim, the others positive multiples of 8, 16-byte aligned"
-
-
-def _warn_copy(what: str, t: torch.Tensor, need: str) -> None:
-    """Log, once per runner tensor (`what`) and stride order, that `t` is copied on every call
-    because it is not what the kernel needs (`need`): a warning, as it costs a kernel per call."""
-    order = tuple(sorted(range(t.ndim), key=lambda d: -t.stride(d)))
-    if (what, order) not in _COPY_WARNED:
-        _COPY_WARNED.add((what, order))
-        logger.warning(
-            "cutedsl sm90 %s: %s with strides %s (start at byte %d mod 16) cannot be used in "
-            "place (%s); it is copied on every call",
-            what, tuple(t.shape), tuple(t.stride()), t.data_ptr() % 16, need,
-        )  # fmt: skip
-
-
-def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
-    """x as the GEMM's `a`: itself when the kernel can read it in place (contiguous, or a column
-    slice of a wider tensor: `gemm.rows_addressable`), else a copy with row-major strides (also
-    for a tensor torch calls contiguous whose size-1 dims carry odd strides), logged once
-    (`_warn_copy`)."""
-    if gemm.rows_addressable(x):
-        return x
-    _warn_copy(what, x, _ROWS_NEED)
-    return x.clone(memory_format=torch.contiguous_format)
-
-
 def _swiglu(ws: Workspace, h: torch.Tensor, limit: float | None) -> torch.Tensor:
     m, i = h.shape[0], h.shape[1] // 2
     out = ws.get("s", (m, i), torch.bfloat16)
@@ -167,7 +135,7 @@ class Linear:
         self.device = r.weight.device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # output: the op's result
-        return gemm.linear(_rows(x, "linear input"), self.wp)
+        return gemm.linear(readable_rows(x, "sm90 linear input"), self.wp)
 
     def warmup(self, max_tokens: int) -> None:
         wp = self.wp
@@ -202,7 +170,7 @@ class SharedMlp:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ws = for_role(self.device, "shared")
         h = ws.get("h", (x.shape[0], self.wp13.n), torch.bfloat16)
-        gemm.linear(_rows(x, "shared MLP input"), self.wp13, out=h)
+        gemm.linear(readable_rows(x, "sm90 shared MLP input"), self.wp13, out=h)
         s = _swiglu(ws, h, self.limit)
         return gemm.linear(s, self.wp2)  # the op's result
 
@@ -252,7 +220,7 @@ class MoE:
         direct = out.is_contiguous() and out.data_ptr() % 16 == 0
         routing.combine(y, inv, w, out if direct else res)
         if not direct:
-            _warn_copy("routed experts output", out, "contiguous, 16-byte aligned")
+            warn_copy("sm90 routed experts output", out, "contiguous, 16-byte aligned")
             out.copy_(res)
 
     def warmup(self, max_tokens: int) -> None:
