@@ -79,13 +79,16 @@ def moe_tactics(
     return gemm_tactics(2 * i, h, e, True, rows, spec), gemm_tactics(h, i, e, True, rows, spec)
 
 
-def _moe_gemm_jobs(
+def _moe_gemm_plan(
     e: int, h: int, i: int, limit: float | None, max_tokens: int, spec: GpuSpec, fused: bool
-) -> list[jit.Job]:
+) -> list[tuple[set[tuple[Tactic, bool]], dict]]:
+    """The GEMM variants of a `MoE` as (tactics, epilogue keywords of `gemm.jobs` /
+    `gemm.precompile`): w13 with the fused SwiGLU and w2 plain, or both plain. What `moe_jobs`
+    lists and `MoE.warmup` compiles, from this one place."""
     w13, w2 = moe_tactics(e, h, i, max_tokens, spec)
     if fused:
-        return gemm.jobs(w13, swiglu=True, swiglu_limit=limit) + gemm.jobs(w2)
-    return gemm.jobs(w13 | w2) + [swiglu.job(limit)]
+        return [(w13, {"swiglu": True, "swiglu_limit": limit}), (w2, {})]
+    return [(w13 | w2, {})]
 
 
 # What each implementation's warmup(max_tokens) compiles on a CUDA device of `spec`, as jobs for
@@ -110,7 +113,9 @@ def moe_jobs(
     """`MoE`: its GEMMs, the routing kernels and the clamped SwiGLU (fused into the w13 GEMMs
     when `fused_swiglu()`, else its own kernel)."""
     fused = fused_swiglu()
-    return _moe_gemm_jobs(e, h, i, limit, max_tokens, spec, fused) + routing.jobs()
+    plan = _moe_gemm_plan(e, h, i, limit, max_tokens, spec, fused)
+    jobs = [job for tactics, kw in plan for job in gemm.jobs(tactics, **kw)]
+    return jobs + ([] if fused else [swiglu.job(limit)]) + routing.jobs()
 
 
 def _mlp_reserve(ws: Workspace, rows: int, i: int) -> None:
@@ -225,12 +230,9 @@ class MoE:
 
     def warmup(self, max_tokens: int) -> None:
         spec = gpu_spec(self.device)
-        w13, w2 = moe_tactics(self.e, self.wp13.k, self.wp2.k, max_tokens, spec)
-        if self.fused:
-            gemm.precompile(w13, swiglu=True, swiglu_limit=self.limit)
-            gemm.precompile(w2)
-        else:
-            gemm.precompile(w13 | w2)
+        args = (self.e, self.wp13.k, self.wp2.k, self.limit, max_tokens, spec, self.fused)
+        for tactics, kw in _moe_gemm_plan(*args):
+            gemm.precompile(tactics, **kw)
         if self.device.type == "cuda":
             routing.precompile()
             if not self.fused:
