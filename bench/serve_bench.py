@@ -5,7 +5,8 @@
         [--shapes 1024x1024,8192x1024] [--concurrency 1,8,32,64]
         [--prompts-per-concurrency 2 | --num-prompts N] [--seed 0] [--time-budget S]
         [--run-timeout S] [--min-run-s S] [--max-model-len N] [--fit-margin 16] [--log-dir DIR]
-        [--resume] [--warmup-requests N] [--repeats N] [--in-process] --out FILE.json
+        [--resume] [--warmup-requests N] [--repeats N] [--in-process] [--server-log FILE]
+        --out FILE.json
 
 For every shape INxOUT (prompt tokens x output tokens) and every concurrency C it runs the real
 benchmark CLI of the installed vLLM as a subprocess (`python -m vllm.entrypoints.cli.main bench
@@ -26,8 +27,10 @@ output_throughput / total_token_throughput (tok/s), request_throughput (req/s),
 {mean,median,p90,p99}_{ttft,tpot,itl,e2el}_ms, total_input_tokens, total_output_tokens,
 max_output_tokens_per_s, command (exact argv as a shell string), server (the change over the
 run of the server's own counters from /metrics: preemptions, queue_s, engine_steps,
-prefix_cache_hit_tokens; null when /metrics cannot be read), and error (tail of the CLI's
-output) when status is not "ok". "ok" means rc 0 and completed == num_prompts.
+prefix_cache_hit_tokens; null when /metrics cannot be read), compiles (with --server-log: the
+compiles the server's log reports during the run, {n, kinds, lines}: a first-use stall inside the
+measurement), and error (tail of the CLI's output) when status is not "ok". "ok" means rc 0 and
+completed == num_prompts.
 
 --time-budget S: no new run starts once the remaining budget is smaller than the previous run's
 wall time or --min-run-s (those runs are recorded as "skipped"); each run's timeout is also
@@ -189,6 +192,59 @@ def warmup(base_url: str, model: str, prompt_len: int, n: int, max_tokens: int, 
         errors.append(f"warm-up still running after {timeout:.0f} s")
     return {"n": n, "prompt_len": prompt_len, "max_tokens": max_tokens,
             "wall_s": round(time.monotonic() - t0, 2), "errors": errors[:5]}  # fmt: skip
+
+
+# Lines a server logs when something compiles (a shape's first use): the JIT of each kind that can
+# run inside an engine step. One compile stalls every request in that step.
+COMPILE_PATTERNS = {
+    "triton": re.compile(r"Triton kernel JIT compilation during inference|Triton autotuning for"),
+    "tilelang": re.compile(r"TileLang begins to compile kernel"),
+    "cutedsl": re.compile(r"cutedsl\.jit: (compiling|.*recompiling)"),
+    "torch.compile": re.compile(
+        r"Compiling a graph for|torch\.compile takes|Recompiling function|recompile_limit|"
+        r"Dynamo bytecode transform time"
+    ),
+}
+
+
+def compile_lines(lines: list[str]) -> list[dict]:
+    """The lines of a server log that report a compile, each {kind, line}."""
+    out = []
+    for ln in lines:
+        for kind, pat in COMPILE_PATTERNS.items():
+            if pat.search(ln):
+                out.append({"kind": kind, "line": ln.strip()[:300]})
+                break
+    return out
+
+
+def log_size(path: Path | None) -> int | None:
+    """Bytes in the server log now (None: no log given, or none there yet)."""
+    try:
+        return path.stat().st_size if path is not None else None
+    except OSError:
+        return None
+
+
+def compiles_since(path: Path | None, pos: int | None) -> dict | None:
+    """The compiles the server log reports after byte `pos`: {n, kinds: {kind: n}, lines: the
+    first 3}; None without a log. A log that shrank (rotated, restarted) is read whole."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            if pos is not None and f.seek(0, os.SEEK_END) >= pos:
+                f.seek(pos)
+            else:
+                f.seek(0)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    ev = compile_lines(text.splitlines())
+    kinds: dict[str, int] = {}
+    for e in ev:
+        kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+    return {"n": len(ev), "kinds": kinds, "lines": [e["line"] for e in ev[:3]]}
 
 
 # vLLM 0.21.0's cumulative server-side series (Prometheus names of its V1 metrics) whose change
@@ -435,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         help="dataset seed = --seed + the run's index (no prompt repeats across runs)",
     )
     ap.add_argument("--in-process", action="store_true", help="no subprocess per run")
+    ap.add_argument("--server-log", default=None,
+                    help="the server's log: each run and warm-up records the compiles it reports")  # fmt: skip
     ap.add_argument("--python", default=sys.executable, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     try:
@@ -530,6 +588,7 @@ def _loop(
     warmed = {
         w.get("key", w["shape"]) for w in doc["header"].get("warmups", []) if not w.get("errors")
     }
+    slog = Path(a.server_log) if a.server_log else None
     with tempfile.TemporaryDirectory(prefix="serve_bench_") as rdir:
         points = [(s, c) for s in shapes for c in concs]
         for i, (rep, ((req_in, req_out, inp, outl), conc)) in enumerate(
@@ -568,9 +627,12 @@ def _loop(
                 wkey, wn = f"{inp}x{outl}@c{conc}", conc
             if wn > 0 and wkey not in warmed:
                 wt = a.warmup_timeout if remaining is None else min(a.warmup_timeout, remaining)
+                wpos = log_size(slog)
                 w = warmup(a.base_url, a.served_model_name or a.model, inp, wn,
                            a.warmup_max_tokens, a.seed + 1, wt)  # fmt: skip
                 w["shape"], w["key"] = f"{inp}x{outl}", wkey
+                if slog is not None:
+                    w["compiles"] = compiles_since(slog, wpos)
                 if a.warmup_per_concurrency:
                     w["concurrency"] = conc
                 doc["header"].setdefault("warmups", []).append(w)
@@ -594,7 +656,7 @@ def _loop(
             cmd = bench_command(a, inp, outl, conc, n, rdir, rfile, rec["seed"])
             timeout = a.run_timeout if remaining is None else min(a.run_timeout, remaining)
             rec["command"] = shlex.join(cmd)
-            before = server_counters(a.base_url)
+            before, pos = server_counters(a.base_url), log_size(slog)
             try:
                 if a.in_process:
                     rc, wall, tail = _run_in_process(cmd, log_dir / f"{tag}.log")
@@ -611,6 +673,8 @@ def _loop(
             prev_wall = wall
             rec["wall_s"] = round(wall, 2)
             rec["server"] = counter_delta(before, server_counters(a.base_url))
+            if slog is not None:
+                rec["compiles"] = compiles_since(slog, pos)
             rpath = Path(rdir) / rfile
             if rpath.exists():
                 rec.update(_record(json.loads(rpath.read_text())))

@@ -276,6 +276,8 @@ def build_records(
                         "ttft_p50_ms": _r(r.get("median_ttft_ms"), 1),
                         "duration_s": _r(r.get("duration"), 2),
                         **(r.get("server") or {}),
+                        # compiles the server logged during the run (null: its log not read)
+                        "compiles": (r.get("compiles") or {}).get("n"),
                     }
                     for r in rs
                 ],
@@ -364,18 +366,20 @@ def _repeats_markdown(records: list[dict]) -> list[str]:
         return []
     lines = [
         "Repeats: each run of each point, with what the server counted over it (`/metrics`: "
-        "requests preempted, seconds requests waited in its queue, summed, engine steps).",
+        "requests preempted, seconds requests waited in its queue, summed, engine steps) and "
+        "the compiles its log reported during the run (each one stalls the step it runs in).",
         "",
         "| impl | shape | conc | repeat | tok/s | TPOT p50 ms | TTFT p50 ms | duration s "
-        "| preemptions | queue s | engine steps |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| preemptions | queue s | engine steps | compiles |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r, k, rep in rows:
         lines.append(
             f"| {r['impl']} | {r['shape']} | {r['concurrency']} | {k} | {_f(rep['output_tok_s'])} "
             f"| {_f(rep['tpot_p50_ms'], '{:.2f}')} | {_f(rep['ttft_p50_ms'], '{:.0f}')} "
             f"| {_f(rep['duration_s'], '{:.1f}')} | {_f(rep.get('preemptions'), '{:.0f}')} "
-            f"| {_f(rep.get('queue_s'), '{:.1f}')} | {_f(rep.get('engine_steps'), '{:.0f}')} |"
+            f"| {_f(rep.get('queue_s'), '{:.1f}')} | {_f(rep.get('engine_steps'), '{:.0f}')} "
+            f"| {_f(rep.get('compiles'), '{:.0f}')} |"
         )
     return lines + [""]
 

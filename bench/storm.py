@@ -32,8 +32,9 @@ Afterwards (requests still running --drain-timeout s after the duration are cut,
 - GPU memory of the --server-pid process tree (else the whole GPU), sampled every
   --sample-interval s; mem_growth_mib = end - first sample after --memory-warmup-s;
 - compiles after healthy: lines of --server-log after its last "Application startup complete"
-  that match COMPILE_PATTERNS (TileLang, CuTeDSL, Triton, torch.compile), plus files created or
-  changed in each --cache-dir (JIT disk caches) during the storm.
+  that report a compile (serve_bench.COMPILE_PATTERNS: TileLang, CuTeDSL, Triton,
+  torch.compile), plus files created or changed in each --cache-dir (JIT disk caches) during the
+  storm.
 A progress line every --sample-interval s. Writes --out (JSON, atomically) and a readable table
 (--table, default OUT with .md); exit 0 only when every check of `verdict` passed.
 """
@@ -59,17 +60,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import soak  # noqa: E402
 import startup  # noqa: E402
-from serve_bench import metric_samples  # noqa: E402
+from serve_bench import compile_lines, metric_samples  # noqa: E402
 
-COMPILE_PATTERNS = {
-    "triton": re.compile(r"Triton kernel JIT compilation during inference|Triton autotuning for"),
-    "tilelang": re.compile(r"TileLang begins to compile kernel"),
-    "cutedsl": re.compile(r"cutedsl\.jit: (compiling|.*recompiling)"),
-    "torch.compile": re.compile(
-        r"Compiling a graph for|torch\.compile takes|Recompiling function|recompile_limit|"
-        r"Dynamo bytecode transform time"
-    ),
-}
 HEALTHY = "Application startup complete"
 STOPS = (["\n\n"], [" the", "\n"], ["aa"], ["."])
 WORDS = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor".split()
@@ -376,13 +368,7 @@ def compile_events(log_text: str) -> tuple[bool, list[dict]]:
     last = max((i for i, ln in enumerate(lines) if HEALTHY in ln), default=None)
     if last is None:
         return False, []
-    out = []
-    for ln in lines[last + 1 :]:
-        for kind, pat in COMPILE_PATTERNS.items():
-            if pat.search(ln):
-                out.append({"kind": kind, "line": ln.strip()[:300]})
-                break
-    return True, out
+    return True, compile_lines(lines[last + 1 :])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -522,16 +522,23 @@ def compiled(build: Callable[..., object], *args: Hashable, **kwargs: Hashable) 
             f"{build.__module__}.{build.__qualname__}{args}{kwargs or ''}: not compiled before "
             "CUDA-graph capture; call the runner's warmup(max_tokens) first"
         )
+
+    def build_now() -> object:
+        # one line per kernel compiled in this process: after start-up it names a first-use stall
+        logger.info("cutedsl.jit: compiling %s.%s%s%s", build.__module__, build.__qualname__,
+                    args, kwargs or "")  # fmt: skip
+        return build(*args, **kwargs)
+
     with _LOCK:
         fn = _CACHE.get(key)
         if fn is None:
             root = cache_dir()
             if root is None:
-                fn, loaded = build(*args, **kwargs), False
+                fn, loaded = build_now(), False
             else:
                 entry = Entry(root, disk_key(build, args, kwargs))
                 _wait_for_worker(key, entry)
-                fn, loaded = load_or_compile(entry, lambda: build(*args, **kwargs))
+                fn, loaded = load_or_compile(entry, build_now)
             _CACHE[key] = fn
             (_LOADS if loaded else _COMPILES)[0] += 1
     return fn

@@ -358,6 +358,11 @@ def arg(k):
 n, c = int(arg("--num-prompts")), int(arg("--max-concurrency"))
 if str(c) in os.environ.get("FAKE_FAIL_CONC", "").split(","):
     sys.exit(1)
+if os.environ.get("FAKE_SERVER_LOG") and str(c) in os.environ.get("FAKE_COMPILE_CONC", ""):
+    with open(os.environ["FAKE_SERVER_LOG"], "a") as f:  # the server compiles during this run
+        f.write("(EngineCore pid=7) INFO TileLang begins to compile kernel `mhc_pre_big_fuse`\\n"
+                "(EngineCore pid=7) INFO cutedsl.jit: compiling cutedsl.sm90.gemm._build(128, 16)\\n"
+                "(APIServer pid=6) INFO 200 OK\\n")
 res = {"completed": n, "failed": 0, "duration": 1.0, "output_throughput": 10.0 * c,
        "median_ttft_ms": 5.0, "median_tpot_ms": 1.0}
 with open(os.path.join(arg("--result-dir"), arg("--result-filename")), "w") as f:
@@ -365,7 +370,9 @@ with open(os.path.join(arg("--result-dir"), arg("--result-filename")), "w") as f
 """
 
 
-def _warmup_stub():
+def _warmup_stub(log: Path | None = None):
+    """A /v1/completions stub; with `log`, every request appends a compile line to it (a server
+    whose first use of a batch shape compiles a graph)."""
     seen: list[dict] = []
 
     class H(BaseHTTPRequestHandler):
@@ -374,6 +381,9 @@ def _warmup_stub():
 
         def do_POST(self):
             seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            if log is not None:
+                with open(log, "a") as f:
+                    f.write("INFO Compiling a graph for dynamic shape\n")
             data = json.dumps({"choices": [{"text": "x"}]}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
@@ -465,6 +475,45 @@ def test_warmup_per_concurrency(tmp_path: Path) -> None:
         assert json.loads(out.read_text())["header"]["warmups"][-1]["key"] == "16x8@c2"
     finally:
         srv.shutdown()
+
+
+def test_compiles_the_server_logs_during_each_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--server-log: each run records the compile lines the server logged while it ran (kinds
+    and the first lines), each warm-up those during the warm-up; what was logged before is not
+    counted; a missing log gives a record of none."""
+    log = tmp_path / "server.log"
+    log.write_text(
+        "INFO TileLang begins to compile kernel `old`\nINFO Application startup complete\n"
+    )
+    srv, url, seen = _warmup_stub(log)
+    launcher, out = _fake_cli(tmp_path), tmp_path / "r.json"
+    monkeypatch.setenv("FAKE_SERVER_LOG", str(log))
+    monkeypatch.setenv("FAKE_COMPILE_CONC", "2")
+    try:
+        assert serve_bench.main(["--base-url", url, "--model", "m", "--label", "x", "--no-fit",
+                                 "--out", str(out), "--log-dir", str(tmp_path / "logs"),
+                                 "--python", str(launcher), "--shapes", "16x8",
+                                 "--concurrency", "1,2", "--warmup-per-concurrency",
+                                 "--server-log", str(log)]) == 0  # fmt: skip
+    finally:
+        srv.shutdown()
+    doc = json.loads(out.read_text())
+    c1, c2 = doc["runs"]
+    assert c1["compiles"] == {"n": 0, "kinds": {}, "lines": []}
+    assert c2["compiles"]["n"] == 2 and c2["compiles"]["kinds"] == {"tilelang": 1, "cutedsl": 1}
+    assert "mhc_pre_big_fuse" in c2["compiles"]["lines"][0]
+    assert [
+        (w["n"], w["compiles"]["n"], w["compiles"]["kinds"]) for w in doc["header"]["warmups"]
+    ] == [
+        (1, 1, {"torch.compile": 1}),
+        (2, 2, {"torch.compile": 2}),
+    ]
+    assert len(seen) == 3
+    assert serve_bench.compiles_since(tmp_path / "nope.log", 0) is None
+    assert serve_bench.compiles_since(None, None) is None
+    assert serve_bench.compiles_since(log, 10**9)["n"] == 6  # a log that shrank: read whole
 
 
 def test_server_counters_over_a_run() -> None:

@@ -179,7 +179,8 @@ bench_pass() {  # bench_pass ours|upstream REPEATS: every point up to that many 
         --label "$label" --shapes "$(echo $SHAPES | tr ' ' ,)" --concurrency "$(echo $CONCS | tr ' ' ,)" \
         --prompts-per-concurrency "$PPC" --repeats "$reps" --seed-per-run --in-process \
         --num-warmups 0 --warmup-per-concurrency --time-budget "$t" --min-run-s "$MIN_RUN_S" --resume \
-        --log-dir "$STATE/logs_$label" --out "$STATE/serve_$n.json"
+        --log-dir "$STATE/logs_$label" --server-log "$RUN_DIR/serve_flash_$n.log" \
+        --out "$STATE/serve_$n.json"
     kill "$watch" 2>/dev/null
     tail -n 3 "$R/bench_${label}_r$reps.log" | tee -a "$OUT/summary.txt"
 }
