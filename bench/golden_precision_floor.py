@@ -6,7 +6,11 @@ cache), so this is a floor for how close any vLLM run can get to the fp32 golden
 
     python bench/golden_precision_floor.py [--ckpt DIR | --format nvfp4] [--prompt-len 300]
         [--seed 1] [--model-seed 0] [--router-gain G] [--expert-shared R] [--device cpu]
-        [--out FILE.json]
+        [--act-quant nvfp4] [--out FILE.json]
+
+--act-quant nvfp4: the same for the W4A4 golden of the sm100 backend (`cutedsl.tools.golden`,
+activations rounded to NVFP4 with the static input scales), in both dtypes, and that golden's own
+distance to the W4A16 fp32 golden (`vs_w4a16_fp32`).
 
 --router-gain / --expert-shared: the tiny generator's conditioning knobs (defaults: its
 DEFAULT_ROUTER_GAIN / DEFAULT_EXPERT_SHARED; 1 and 0 give the unconditioned model), used only
@@ -37,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router-gain", type=float, default=None)
     ap.add_argument("--expert-shared", type=float, default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--act-quant", choices=("nvfp4",), default=None)
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
 
@@ -61,12 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.load(open(os.path.join(a.ckpt, "config.json")))["vocab_size"]
     g = torch.Generator().manual_seed(a.seed)
     ids = torch.randint(2, vocab, (a.prompt_len,), generator=g).tolist()
-    lp = {}
-    for dt in (torch.float32, torch.bfloat16):
-        model = load_model(a.ckpt, a.device, dt)
-        lp[dt] = torch.log_softmax(golden_logits(model, ids).double().cpu(), -1)
-        del model
-    x, y = lp[torch.float32], lp[torch.bfloat16]
+
+    def logprobs(dtype: torch.dtype, act_quant: str | None) -> torch.Tensor:
+        model = load_model(a.ckpt, a.device, dtype, act_quant=act_quant)
+        return torch.log_softmax(golden_logits(model, ids).double().cpu(), -1)
+
+    x, y = logprobs(torch.float32, a.act_quant), logprobs(torch.bfloat16, a.act_quant)
     cos = logprob_cosine(x, y)
     res = {
         "command": " ".join(shlex.quote(v) for v in [sys.executable, *sys.argv]),
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             f"generated: tiny preset, {a.format}, seed {a.model_seed}, "
             f"router_gain {a.router_gain}, expert_shared {a.expert_shared}"
         ),
+        "act_quant": a.act_quant,
         "prompt_seed": a.seed,
         "positions": len(ids),
         "cos_min": float(cos.min()),
@@ -88,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         "greedy_agree": float((x.argmax(-1) == y.argmax(-1)).double().mean()),
         "cos": [round(float(v), 5) for v in cos],
     }
+    if a.act_quant:
+        w16 = logprobs(torch.float32, None)
+        c16 = logprob_cosine(x, w16)
+        res["vs_w4a16_fp32"] = {
+            "cos_min": float(c16.min()),
+            "cos_mean": float(c16.mean()),
+            "greedy_agree": float((x.argmax(-1) == w16.argmax(-1)).double().mean()),
+        }
     print({k: v for k, v in res.items() if k != "cos"})
     if a.out:
         with open(a.out, "w") as f:

@@ -193,13 +193,16 @@ def w4a4_ckpts(tmp_path_factory):
 
 
 def test_w4a4_input_scales_per_format(w4a4_ckpts):
-    """Which GEMMs the W4A4 golden rounds, with which scale: our runners' NVFP4 projections (never
-    the indexer's wq_b, never an FP8 projection); one scale per GEMM, the max of its members; the
-    compressed-tensors divisor read as its reciprocal."""
+    """Which GEMMs the W4A4 golden rounds, with which scale: our runners' NVFP4 projections (the
+    indexer's wq_b of the C4 layers included, never an FP8 projection); one scale per GEMM, the
+    max of its members; the compressed-tensors divisor read as its reciprocal."""
     from cutedsl import formats
 
     s = float(formats.global_scale_from_amax(TM.DEFAULT_INPUT_AMAX))
-    L = TM.make_config("tiny", "nvfp4", MICRO)["num_hidden_layers"]
+    cfg = TM.make_config("tiny", "nvfp4", MICRO)
+    L = cfg["num_hidden_layers"]
+    c4 = [i for i in range(L) if cfg["compress_ratios"][i] == 4]
+    assert c4, "the tiny preset has an indexer layer"
     attn = ["q_a_proj", "kv_proj", "q_b_proj", "o_a_proj", "o_b_proj"]
     shared = ["gate_proj", "up_proj", "down_proj"]
     want = {
@@ -208,9 +211,11 @@ def test_w4a4_input_scales_per_format(w4a4_ckpts):
         "nvidia-mixed": ["mlp.experts"],
         "ct-nvfp4-fp8": [f"mlp.shared_experts.{m}" for m in shared] + ["mlp.experts"],
     }  # fmt: skip
+    indexer = {f"model.layers.{i}.self_attn.compressor.indexer.q_b_proj" for i in c4}
     for fmt, mods in want.items():
         got = G.w4a4_input_scales(w4a4_ckpts[fmt])
-        assert set(got) == {f"model.layers.{i}.{m}" for i in range(L) for m in mods}, fmt
+        want_fmt = {f"model.layers.{i}.{m}" for i in range(L) for m in mods}
+        assert set(got) == want_fmt | (indexer if fmt == "nvfp4" else set()), fmt
         for name, sc in got.items():
             if name.endswith("mlp.experts"):
                 assert set(sc) == {"input", "down"}, name

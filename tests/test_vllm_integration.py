@@ -60,6 +60,10 @@ BROKEN = (
 # The runners on the sm90 backend with the kernel launch emulated in torch (tests/nvfp4_data.py):
 # what a GPU load leaves in the layers (the checkpoint-layout weights released).
 SM90_EMU = "nvfp4/native:sm90emu"
+# The sm100-emulated backend (CUTEDSL_BACKEND=sm100-emulated: the sm100 host path, W4A4, each kernel
+# launch its torch statement) inside the same layers, against W4A4 math: the ModelOpt and the
+# compressed-tensors (inverse global-scale convention) layouts.
+SM100_EMU = ("nvfp4/native:sm100emu", "ct-nvfp4-fp8/native:sm100emu")
 PRISTINE_CASES = ("native/native", "nvidia-mixed/native")
 # vLLM 0.21.0's MTP draft model (deepseek_v4_mtp.py, whose block is our overlaid
 # DeepseekV4DecoderLayer) on a checkpoint with num_nextn_predict_layers = 1, per MTP block format.
@@ -234,21 +238,50 @@ def _deq(ck: dict):
     return deq
 
 
-def _mlp_ref(x, w1, w3, w2, limit):
+def _acts(ck: dict, w4a4: bool):
+    """act(x, *gemm_members) -> what that GEMM multiplies, fp32: x itself (W4A16), or with `w4a4`
+    (the sm100 backend) x rounded to NVFP4 along its last dim by vLLM's own reference quantizer
+    (`ref_nvfp4_quant_dequant`, blocks of 16) under the GEMM's static input scale: the max of its
+    members' checkpoint `input_scale` (the dequantization multiplier; vLLM quantizes with its
+    reciprocal)."""
+    import torch
+
+    def act(x, *members: str):
+        x = x.float()
+        if not w4a4:
+            return x
+        from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+            ref_nvfp4_quant_dequant,
+        )
+
+        s = max(float(ck[f"{m}.input_scale"]) for m in members)
+        gs = torch.tensor(1.0 / s, dtype=torch.float32)
+        return ref_nvfp4_quant_dequant(x.reshape(-1, x.shape[-1]), gs, 16).reshape(x.shape)
+
+    return act
+
+
+def _mlp_ref(x, w1, w3, w2, limit, act13=None, act2=None):
+    """The clamped SwiGLU MLP in fp32; act13 / act2 (W4A4): round the inputs of the two GEMMs
+    (h first rounded to bf16, as the fused w13 epilogue writes it)."""
     import torch.nn.functional as F
 
-    h, u = x.float() @ w1.T, x.float() @ w3.T
+    x = x.float() if act13 is None else act13(x)
+    h, u = x @ w1.T, x @ w3.T
     if limit is not None:
         h, u = h.clamp(max=limit), u.clamp(-limit, limit)
-    return (F.silu(h) * u) @ w2.T
+    h = F.silu(h) * u
+    return (h if act2 is None else act2(h.bfloat16())) @ w2.T
 
 
-def _moe_numerics(model, ck: dict, cfg: dict) -> dict:
+def _moe_numerics(model, ck: dict, cfg: dict, w4a4: bool = False) -> dict:
     """Routed experts of a hash-routed (0) and a score-routed (2) layer, through the FusedMoE
-    method -> vLLM's modular kernel (prepare / CuTeDSLMoEExperts / finalize), vs torch math."""
+    method -> vLLM's modular kernel (prepare / CuTeDSLMoEExperts / finalize), vs torch math
+    (`w4a4`: with NVFP4 activations, `_acts`)."""
     import torch
 
     deq, g, res = _deq(ck), torch.Generator().manual_seed(2), {}
+    act = _acts(ck, w4a4)
     H, L, layers = cfg["hidden_size"], cfg["swiglu_limit"], model.model.layers
     # Routed experts of a hash-routed (0) and a score-routed (2) layer, through the FusedMoE
     # method -> vLLM's modular kernel (prepare / CuTeDSLMoEExperts / finalize).
@@ -261,28 +294,33 @@ def _moe_numerics(model, ck: dict, cfg: dict) -> dict:
         out = exp_mod.quant_method.apply(exp_mod, xm, wts, ids, None)
         ref = torch.zeros(9, H)
         ref_nc = torch.zeros(9, H)
-        for e in range(E):
-            p = f"layers.{li}.ffn.experts.{e}"
+        # one scale per GEMM over every expert (the max, as vLLM keeps it)
+        experts = [f"layers.{li}.ffn.experts.{e}" for e in range(E)]
+        w13 = tuple(f"{p}.{n}" for p in experts for n in ("w1", "w3"))
+        w2 = tuple(f"{p}.w2" for p in experts)
+        acts = (lambda x, m=w13: act(x, *m), lambda h, m=w2: act(h, *m)) if w4a4 else (None, None)
+        for e, p in enumerate(experts):
             we = [deq(f"{p}.{n}") for n in ("w1", "w3", "w2")]
             sel = ids == e
             rows = sel.any(dim=1)
             if rows.any():
                 wsum = (wts * sel).sum(dim=1)[rows, None]
-                ref[rows] += wsum * _mlp_ref(xm[rows], *we, L)
-                ref_nc[rows] += wsum * _mlp_ref(xm[rows], *we, None)
+                ref[rows] += wsum * _mlp_ref(xm[rows], *we, L, *acts)
+                ref_nc[rows] += wsum * _mlp_ref(xm[rows], *we, None, *acts)
         res[f"moe_layer{li}"] = _rel(out, ref)
         res[f"moe_layer{li}_vs_unclamped"] = _rel(out, ref_nc)
         res[f"moe_layer{li}_nan"] = float(out.float().isnan().any())
     return res
 
 
-def _numerics(model, ck: dict, cfg: dict) -> dict:
-    """Our adapters (reference backend) vs torch math on the dequantized checkpoint tensors."""
+def _numerics(model, ck: dict, cfg: dict, w4a4: bool = False) -> dict:
+    """Our adapters vs torch math on the dequantized checkpoint tensors (`w4a4`: each GEMM's
+    input rounded to NVFP4 as the sm100 backend does, `_acts`)."""
     import torch
 
     from cutedsl.vllm.oproj import nvfp4_oproj
 
-    deq = _deq(ck)
+    deq, act = _deq(ck), _acts(ck, w4a4)
 
     g = torch.Generator().manual_seed(1)
     H, NH, G, R = (
@@ -299,13 +337,14 @@ def _numerics(model, ck: dict, cfg: dict) -> dict:
     attn = layers[1].attn
     y, _ = attn.fused_wqa_wkv(x)
     w = torch.cat([deq("layers.1.attn.wq_a"), deq("layers.1.attn.wkv")])
-    res["fused_wqa_wkv"] = _rel(y, x.float() @ w.T)
+    res["fused_wqa_wkv"] = _rel(y, act(x, "layers.1.attn.wq_a", "layers.1.attn.wkv") @ w.T)
     qr = torch.randn(5, cfg["q_lora_rank"], generator=g).bfloat16()
-    res["wq_b"] = _rel(attn.wq_b(qr), qr.float() @ deq("layers.1.attn.wq_b").T)
+    res["wq_b"] = _rel(attn.wq_b(qr), act(qr, "layers.1.attn.wq_b") @ deq("layers.1.attn.wq_b").T)
     iq, _ = attn.indexer.wq_b(qr)
-    res["indexer.wq_b"] = _rel(iq, qr.float() @ deq("layers.1.attn.indexer.wq_b").T)
+    iw = "layers.1.attn.indexer.wq_b"
+    res["indexer.wq_b"] = _rel(iq, act(qr, iw) @ deq(iw).T)
     z = torch.randn(5, G * R, generator=g).bfloat16()
-    res["wo_b"] = _rel(attn.wo_b(z), z.float() @ deq("layers.1.attn.wo_b").T)
+    res["wo_b"] = _rel(attn.wo_b(z), act(z, "layers.1.attn.wo_b") @ deq("layers.1.attn.wo_b").T)
 
     # wo_a: inverse RoPE (GPT-J pairs in the last 64 dims, conjugate rotation) -> grouped GEMM.
     T = 6
@@ -318,7 +357,8 @@ def _numerics(model, ck: dict, cfg: dict) -> dict:
     y0, y1 = rope[..., 0], rope[..., 1]
     c, s = cos[:, None], sin[:, None]
     unrot = torch.stack([y0 * c + y1 * s, y1 * c - y0 * s], dim=-1).flatten(-2)
-    xo = torch.cat([o[..., :448].float(), unrot], dim=-1).bfloat16().float().view(T, G, -1)
+    xo = torch.cat([o[..., :448].float(), unrot], dim=-1).bfloat16().view(T, G, -1)
+    xo = act(xo, "layers.1.attn.wo_a")  # each group's D-long row rounded on its own
     wa = deq("layers.1.attn.wo_a").view(G, R, -1)
     z_exp = torch.einsum("tgd,grd->tgr", xo, wa)
     z = nvfp4_oproj(attn.wo_a, o, pos, cache)
@@ -327,30 +367,46 @@ def _numerics(model, ck: dict, cfg: dict) -> dict:
         z, torch.einsum("tgd,grd->tgr", o.float().view(T, G, -1), wa)
     )
 
-    res.update(_shared_mlp_numerics(model, ck, cfg, g))
-    res.update(_moe_numerics(model, ck, cfg))
+    res.update(_shared_mlp_numerics(model, ck, cfg, g, w4a4))
+    res.update(_moe_numerics(model, ck, cfg, w4a4))
 
     return res
 
 
-def _shared_mlp_numerics(model, ck: dict, cfg: dict, g) -> dict:
+def _shared_mlp_numerics(model, ck: dict, cfg: dict, g, w4a4: bool = False) -> dict:
     """The shared expert (clamped SwiGLU), through DeepseekV4MLP.forward -> our fused runner."""
     import torch
 
-    deq, H, L = _deq(ck), cfg["hidden_size"], cfg["swiglu_limit"]
+    deq, H, L, act = _deq(ck), cfg["hidden_size"], cfg["swiglu_limit"], _acts(ck, w4a4)
     xs = (8 * torch.randn(9, H, generator=g)).bfloat16()  # |gate|, |up| often > 10: clamp bites
     se = "layers.0.ffn.shared_experts"
     sw = [deq(f"{se}.{n}") for n in ("w1", "w3", "w2")]
+    acts = (lambda x: act(x, f"{se}.w1", f"{se}.w3"), lambda h: act(h, f"{se}.w2"))
+    acts = acts if w4a4 else (None, None)
     ys = model.model.layers[0].ffn.shared_experts(xs)
     return {
-        "shared_mlp": _rel(ys, _mlp_ref(xs, *sw, L)),
-        "shared_mlp_vs_unclamped": _rel(ys, _mlp_ref(xs, *sw, None)),
+        "shared_mlp": _rel(ys, _mlp_ref(xs, *sw, L, *acts)),
+        "shared_mlp_vs_unclamped": _rel(ys, _mlp_ref(xs, *sw, None, *acts)),
     }
 
 
 # Tensors the broken-checkpoint variants drop or reshape.
 DROPPED = ("layers.1.attn.wo_a.weight_scale", "layers.2.ffn.experts.3.w3.weight_scale_2")
 RESHAPED = "layers.1.attn.wq_b.weight"
+
+
+@contextlib.contextmanager
+def _variant_backend(variant: str):
+    """The backend the runners built and called inside use: sm90 with its launch emulated
+    (`sm90emu`), sm100-emulated (`sm100emu`), else the harness's (reference)."""
+    if variant != "sm100emu":
+        with _sm90_emulated(variant == "sm90emu"):
+            yield
+        return
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"CUTEDSL_BACKEND": "sm100-emulated"}):
+        yield
 
 
 @contextlib.contextmanager
@@ -588,7 +644,7 @@ def _run_case(case: str, tmp: str) -> dict:
             from cutedsl.vllm.shared_mlp import CuTeDSLSharedMlpMethod
 
             ours = (CuTeDSLNvFp4LinearMethod, CuTeDSLSharedMlpMethod, CuTeDSLModelOptNvFp4FusedMoE)
-            with _sm90_emulated(variant == "sm90emu"):
+            with _variant_backend(variant):
                 for _, mod in model.named_modules():  # vLLM's loop, restricted to our methods
                     if isinstance(getattr(mod, "quant_method", None), ours):
                         mod.quant_method.process_weights_after_loading(mod)
@@ -617,14 +673,20 @@ def _run_case(case: str, tmp: str) -> dict:
             }
             rep["packed_params_released"] = sorted(n for n, rel in packed.items() if rel)
             rep["packed_params_held"] = sorted(n for n, rel in packed.items() if not rel)
-            with _sm90_emulated(variant == "sm90emu"):
+
+            def numerics(w4a4: bool) -> dict:
                 if fmt == "nvfp4":
-                    rep["numerics"] = _numerics(model, ck, cfg)
-                else:
-                    rep["numerics"] = _moe_numerics(model, ck, cfg)
+                    return _numerics(model, ck, cfg, w4a4)
+                res = _moe_numerics(model, ck, cfg, w4a4)
                 if fmt == "ct-nvfp4-fp8":  # its shared experts are NVFP4 too
                     g = torch.Generator().manual_seed(3)
-                    rep["numerics"].update(_shared_mlp_numerics(model, ck, cfg, g))
+                    res.update(_shared_mlp_numerics(model, ck, cfg, g, w4a4))
+                return res
+
+            with _variant_backend(variant):
+                rep["numerics"] = numerics(w4a4=variant == "sm100emu")
+                if variant == "sm100emu":  # the same outputs against W4A16 math
+                    rep["numerics_w4a16"] = numerics(w4a4=False)
         else:
             from cutedsl.vllm.oproj import is_nvfp4_oproj
 
@@ -706,7 +768,7 @@ def _run_harness(workdir: Path, name: str, cases: tuple[str, ...], *flags: str) 
 
 @pytest.fixture(scope="module")
 def report(workdir: Path) -> dict:
-    return _run_harness(workdir, "overlay", (*CASES, *BROKEN, SM90_EMU, *MTP_CASES))
+    return _run_harness(workdir, "overlay", (*CASES, *BROKEN, SM90_EMU, *SM100_EMU, *MTP_CASES))
 
 
 @pytest.fixture(scope="module")
@@ -844,6 +906,30 @@ def test_gpu_backend_layers_hold_no_checkpoint_weights(report: dict) -> None:
         assert num[k] < 2e-2, (k, num[k])
     ref = _case(report, "nvfp4/native")
     assert ref["packed_params_released"] == [] and ref["packed_params_held"], "reference: kept"
+
+
+@pytest.mark.parametrize("case", SM100_EMU)
+def test_sm100_emulated_layers_compute_w4a4(report: dict, case: str) -> None:
+    """The sm100-emulated backend inside vLLM's own layers (built, loaded and post-processed by
+    vLLM's loaders and our methods, as on a GPU): every NVFP4 GEMM equals W4A4 math, its input
+    rounded to NVFP4 by vLLM's reference quantizer under the checkpoint's static input scale
+    (compressed-tensors: the reciprocal of its divisor), on fresh random inputs; W4A16 math is far
+    from it, so each check can fail (a wrong scale, an input left unrounded, a layout slip)."""
+    rep = _case(report, case)
+    kinds = {v.split(":")[0] for v in rep["runners"].values()}
+    assert all(v.endswith(":sm100-emulated") for v in rep["runners"].values()), rep["runners"]
+    want = {"Nvfp4MoE", "Nvfp4SharedMlp"}
+    if case.startswith("nvfp4/"):
+        want |= {"Nvfp4Linear", "Nvfp4GroupedOproj"}
+    assert kinds == want, kinds
+    num, w16 = rep["numerics"], rep["numerics_w4a16"]
+    gemms = [k for k in num if not k.endswith(("_nan", "_vs_unclamped", "_vs_no_inverse_rope"))
+             and k != "cos_sin_cache_is_f32"]  # fmt: skip
+    assert len(gemms) == (8 if case.startswith("nvfp4/") else 3), gemms
+    for k in gemms:
+        assert num[k] < 1e-2, (k, num[k])
+        assert w16[k] > 5e-2, (k, w16[k])
+    assert all(num[k] == 0.0 for k in num if k.endswith("_nan")), num
 
 
 def test_nvidia_mixed_experts_match_dequantized_math(report: dict) -> None:
@@ -1082,7 +1168,7 @@ if __name__ == "__main__":
     a = ap.parse_args()
     _harness(
         a.harness,
-        a.cases or [*CASES, *BROKEN, SM90_EMU, *MTP_CASES],
+        a.cases or [*CASES, *BROKEN, SM90_EMU, *SM100_EMU, *MTP_CASES],
         a.workdir,
         a.pristine,
     )

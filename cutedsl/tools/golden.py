@@ -128,16 +128,15 @@ def w4a4_input_scales(ckpt: str) -> dict[str, dict[str, float]]:
     SwiGLU output that down_proj reads).
 
     Those GEMMs are the NVFP4 projections of our runners: fused_wqa_wkv (wq_a + wkv: q_a_proj
-    and kv_proj read the same input), wq_b, wo_a, wo_b, the shared experts' w13 (w1 + w3) and w2,
-    the routed experts' w13 and w2. One GEMM takes one scale: the max over its members (a fused
-    pair, every expert), as vLLM keeps it and `cutedsl.sm100.runners` passes it. A projection
-    stored in another format (FP8, MXFP4) has no input scale and is left out; so is the
-    indexer's wq_b (upstream's linear method, not ours)."""
+    and kv_proj read the same input), wq_b, the indexer's wq_b, wo_a, wo_b, the shared experts'
+    w13 (w1 + w3) and w2, the routed experts' w13 and w2. One GEMM takes one scale: the max over
+    its members (a fused pair, every expert), as vLLM keeps it and `cutedsl.sm100.runners` passes
+    it. A projection stored in another format (FP8, MXFP4) has no input scale and is left out."""
     ck = Checkpoint(ckpt)
     cfg = ck.config
     groups: dict[str, list[str]] = {}  # GEMM -> its native projections
     for s in tensor_specs(cfg):
-        if s.kind != "linear" or ".indexer." in s.name:
+        if s.kind != "linear":
             continue
         if s.role == "expert":  # layers.L.ffn.experts.E.wX -> layers.L.ffn.experts.{w13,w2}
             head, _, which = s.name.rsplit(".", 2)
