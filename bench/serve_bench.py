@@ -29,8 +29,9 @@ max_output_tokens_per_s, command (exact argv as a shell string), server (the cha
 run of the server's own counters from /metrics: preemptions, queue_s, engine_steps,
 prefix_cache_hit_tokens; null when /metrics cannot be read), compiles (with --server-log: the
 compiles the server's log reports during the run, {n, kinds, lines}: a first-use stall inside the
-measurement), and error (tail of the CLI's output) when status is not "ok". "ok" means rc 0 and
-completed == num_prompts.
+measurement), requests (per request in the CLI's order: start_s after the run's first request,
+ttft_ms; which wave a slow TTFT belongs to), and error (tail of the CLI's output) when status is
+not "ok". "ok" means rc 0 and completed == num_prompts.
 
 --time-budget S: no new run starts once the remaining budget is smaller than the previous run's
 wall time or --min-run-s (those runs are recorded as "skipped"); each run's timeout is also
@@ -357,6 +358,7 @@ def bench_command(a: argparse.Namespace, inp: int, out: int, conc: int, n: int, 
         "--label", a.label,
         "--disable-tqdm",
         "--save-result",
+        "--save-detailed",  # per-request start times and TTFTs (`_record`)
         "--result-dir", rdir,
         "--result-filename", rfile,
     ]  # fmt: skip
@@ -428,6 +430,12 @@ def _record(res: dict) -> dict:
     for m in PERCENTILE_METRICS.split(","):
         for s in _STATS:
             rec[f"{s}_{m}_ms"] = res.get(f"{s}_{m}_ms")
+    starts, ttfts = res.get("start_times") or [], res.get("ttfts") or []
+    t0 = min(starts, default=0.0)
+    rec["requests"] = [
+        {"start_s": round(st - t0, 4), "ttft_ms": round(1e3 * tt, 2)}
+        for st, tt in zip(starts, ttfts, strict=False)
+    ] or None
     return rec
 
 

@@ -164,6 +164,12 @@ def test_end_to_end_real_cli(tok_dir: Path, tmp_path: Path) -> None:
             assert r[f"median_{m}_ms"] <= r[f"p99_{m}_ms"]
         # The stub sleeps 2 ms before every token, so TPOT/ITL cannot be below that.
         assert r["median_tpot_ms"] >= 2.0 and r["median_itl_ms"] >= 2.0
+        # one entry per request: its start after the first, its TTFT (the median is one of them)
+        reqs = r["requests"]
+        assert len(reqs) == n and min(q["start_s"] for q in reqs) == 0.0
+        assert all(q["start_s"] >= 0 and q["ttft_ms"] > 0 for q in reqs), reqs
+        ttfts = sorted(q["ttft_ms"] for q in reqs)
+        assert ttfts[0] <= r["median_ttft_ms"] + 0.01 and r["median_ttft_ms"] <= ttfts[-1] + 0.01
     # What the server saw: exactly the benchmark's requests (no warmup / ready probe), random
     # prompts of exactly IN tokens, OUT max tokens, ignore_eos, greedy, streaming with usage.
     assert len(seen) == sum(2 * r["concurrency"] for r in runs)
