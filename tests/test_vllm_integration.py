@@ -243,7 +243,8 @@ def _acts(ck: dict, w4a4: bool):
     (the sm100 backend) x rounded to NVFP4 along its last dim by vLLM's own reference quantizer
     (`ref_nvfp4_quant_dequant`, blocks of 16) under the GEMM's static input scale: the max of its
     members' checkpoint `input_scale` (the dequantization multiplier; vLLM quantizes with its
-    reciprocal)."""
+    reciprocal). vLLM's quantizer, not `cutedsl.formats`: the emulated sm100 kernels round with
+    the latter, so the reference must not."""
     import torch
 
     def act(x, *members: str):
