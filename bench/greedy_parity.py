@@ -8,14 +8,19 @@
 
 `server`: PROMPTS prompts of PROMPT_LEN random token ids (seeded), sent one at a time (the server
 runs each alone: batch 1, as `offline` does), greedy, `ignore_eos`, MAX_TOKENS new tokens each,
-the generated token ids read from the response (`return_token_ids`). Needs only the server.
+the generated token ids read from the response (`return_token_ids`), with each position's two
+most likely tokens' logprobs; then the same prompts a second time (does the server repeat
+itself?). Needs only the server.
 
 `offline`: the same prompts through `vllm.LLM` built from the server's own flags (parsed by vLLM's
 `EngineArgs` parser; flags only the API server knows are listed in the JSON as `ignored_flags`),
-one prompt per `generate` call, the same sampling; then, per prompt, whether the two token lists
-are equal and the first position where they differ. Needs the GPU the server had (stop the server
-first). Writes the command, date, device, versions, every prompt's result and the verdict; exits 0
-when every prompt agrees, 1 when one does not, 2 on bad input.
+one prompt per `generate` call, the same sampling, twice; then, per prompt, whether the two token
+lists are equal, the first position where they differ and, there, the gap between the two most
+likely tokens' logprobs on each side (a gap near 0 is a near tie that a last-bit difference in the
+logits flips; a large gap is a different computation). Needs the GPU the server had (stop the
+server first). Writes the command, date, device, versions, every prompt's result, whether each
+side repeated itself, and the verdict; exits 0 when every prompt agrees, 1 when one does not, 2 on
+bad input.
 """
 
 from __future__ import annotations
@@ -48,17 +53,38 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare(server: list[list[int]], offline: list[list[int]]) -> dict:
-    """Per prompt: equal, first_diff, lengths; and the counts."""
+def top2_gap(top: dict | None) -> float | None:
+    """The logprob gap between a position's two most likely tokens (None: fewer than two given)."""
+    vals = sorted((float(v) for v in (top or {}).values()), reverse=True)
+    return round(vals[0] - vals[1], 5) if len(vals) >= 2 else None
+
+
+def compare(
+    server: list[list[int]],
+    offline: list[list[int]],
+    server_gaps: list[list[float | None]] | None = None,
+    offline_gaps: list[list[float | None]] | None = None,
+) -> dict:
+    """Per prompt: equal, first_diff, lengths and, where they differ and the gaps are given, each
+    side's top-2 logprob gap at the first difference; and the counts."""
     if len(server) != len(offline):
         raise ValueError(f"{len(server)} server outputs vs {len(offline)} offline outputs")
     rows = []
     for i, (s, o) in enumerate(zip(server, offline)):
         d = first_difference(s, o)
-        rows.append({"prompt": i, "equal": d is None, "first_diff": d,
-                     "server_tokens": len(s), "offline_tokens": len(o)})  # fmt: skip
+        row = {"prompt": i, "equal": d is None, "first_diff": d,
+               "server_tokens": len(s), "offline_tokens": len(o)}  # fmt: skip
+        for side, gaps in (("server", server_gaps), ("offline", offline_gaps)):
+            if d is not None and gaps is not None and d < len(gaps[i]):
+                row[f"{side}_gap_at_diff"] = gaps[i][d]
+        rows.append(row)
     n_eq = sum(r["equal"] for r in rows)
     return {"prompts": len(rows), "equal": n_eq, "differ": len(rows) - n_eq, "rows": rows}
+
+
+def self_equal(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many prompts a second pass answered exactly as the first."""
+    return sum(x == y for x, y in zip(a, b))
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:
@@ -84,31 +110,40 @@ def _write(path: str, doc: dict) -> None:
 def cmd_server(a: argparse.Namespace) -> int:
     prompts = make_prompts(a.prompts, a.prompt_len, a.seed)
     url = a.base_url.rstrip("/") + "/v1/completions"
-    outputs = []
+    passes: list[tuple[list[list[int]], list[list[float | None]]]] = []
     t0 = time.monotonic()
-    for i, p in enumerate(prompts):
-        body = {"model": a.model, "prompt": p, "max_tokens": a.max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-        try:
-            choice = _post(url, body, a.timeout)["choices"][0]
-        except (OSError, RuntimeError, ValueError, KeyError, IndexError) as e:
-            print(f"greedy_parity: prompt {i}: {type(e).__name__}: {e}", file=sys.stderr)
-            return 2
-        ids = choice.get("token_ids")
-        if ids is None:
-            print(f"greedy_parity: {url}: the response to prompt {i} has no token_ids "
-                  "(a server without return_token_ids)", file=sys.stderr)  # fmt: skip
-            return 2
-        outputs.append(list(ids))
+    for _ in range(2):  # the second pass: does the server repeat itself?
+        outputs, gaps = [], []
+        for i, p in enumerate(prompts):
+            body = {"model": a.model, "prompt": p, "max_tokens": a.max_tokens, "temperature": 0.0,
+                    "ignore_eos": True, "return_token_ids": True, "logprobs": 2,
+                    "return_tokens_as_token_ids": True}  # fmt: skip
+            try:
+                choice = _post(url, body, a.timeout)["choices"][0]
+            except (OSError, RuntimeError, ValueError, KeyError, IndexError) as e:
+                print(f"greedy_parity: prompt {i}: {type(e).__name__}: {e}", file=sys.stderr)
+                return 2
+            ids = choice.get("token_ids")
+            if ids is None:
+                print(f"greedy_parity: {url}: the response to prompt {i} has no token_ids "
+                      "(a server without return_token_ids)", file=sys.stderr)  # fmt: skip
+                return 2
+            outputs.append(list(ids))
+            tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
+            gaps.append([top2_gap(t) for t in tops])
+        passes.append((outputs, gaps))
+    (outputs, gaps), (again, _) = passes
     doc = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "base_url": a.base_url, "model": a.model, "seed": a.seed, "prompt_len": a.prompt_len,
         "max_tokens": a.max_tokens, "wall_s": round(time.monotonic() - t0, 2),
-        "prompts": prompts, "outputs": outputs,
+        "prompts": prompts, "outputs": outputs, "top2_gaps": gaps, "outputs_again": again,
+        "self_equal": self_equal(outputs, again),
     }  # fmt: skip
     _write(a.out, doc)
-    print(f"greedy_parity: {len(prompts)} prompts through {a.base_url} -> {a.out}")
+    print(f"greedy_parity: {len(prompts)} prompts through {a.base_url}, twice "
+          f"({doc['self_equal']}/{len(prompts)} repeated exactly) -> {a.out}")  # fmt: skip
     return 0
 
 
@@ -143,12 +178,20 @@ def cmd_offline(a: argparse.Namespace) -> int:
     from vllm.inputs import TokensPrompt
 
     llm = LLM.from_engine_args(ea)
-    sp = SamplingParams(temperature=0.0, max_tokens=srv["max_tokens"], ignore_eos=True)
-    offline = []
-    for p in prompts:  # one at a time: batch 1, as the server ran each
-        out = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
-        offline.append(list(out[0].outputs[0].token_ids))
-    res = compare(outputs, offline)
+    sp = SamplingParams(temperature=0.0, max_tokens=srv["max_tokens"], ignore_eos=True, logprobs=2)
+    passes: list[tuple[list[list[int]], list[list[float | None]]]] = []
+    for _ in range(2):  # the second pass: does LLM.generate repeat itself?
+        offline, gaps = [], []
+        for p in prompts:  # one at a time: batch 1, as the server ran each
+            o = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0].outputs[0]
+            offline.append(list(o.token_ids))
+            gaps.append(
+                [top2_gap({k: v.logprob for k, v in t.items()}) for t in (o.logprobs or [])]
+            )
+        passes.append((offline, gaps))
+    (offline, gaps), (again, _) = passes
+    res = compare(outputs, offline, srv.get("top2_gaps"), gaps)
+    n = len(prompts)
     doc = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -156,12 +199,19 @@ def cmd_offline(a: argparse.Namespace) -> int:
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
         "server_json": a.server, "server_command": srv.get("command"),
         "engine_args": {k: repr(v) for k, v in vars(ea).items()},
-        "ignored_flags": ignored, **res, "offline_outputs": offline,
+        "ignored_flags": ignored, **res, "offline_outputs": offline, "offline_top2_gaps": gaps,
+        "server_self_equal": srv.get("self_equal"), "offline_self_equal": self_equal(offline, again),
         "verdict": "pass" if res["differ"] == 0 else "fail",
     }  # fmt: skip
     _write(a.out, doc)
-    print(f"greedy_parity: {res['equal']}/{res['prompts']} prompts equal "
-          f"(first differences: {[r['first_diff'] for r in res['rows'] if not r['equal']]}) -> {a.out}")  # fmt: skip
+    diffs = [r for r in res["rows"] if not r["equal"]]
+    at = [
+        (r["first_diff"], r.get("server_gap_at_diff"), r.get("offline_gap_at_diff")) for r in diffs
+    ]
+    print(f"greedy_parity: {res['equal']}/{res['prompts']} prompts equal; each side repeats itself: "
+          f"server {srv.get('self_equal', '?')}/{n}, offline {doc['offline_self_equal']}/{n}"
+          + (f"; first differences (position, server gap, offline gap): {at}" if diffs else "")
+          + f" -> {a.out}")  # fmt: skip
     return 0 if res["differ"] == 0 else 1
 
 

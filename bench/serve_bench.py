@@ -29,7 +29,8 @@ max_output_tokens_per_s, command (exact argv as a shell string), server (the cha
 run of the server's own counters from /metrics: preemptions, queue_s, engine_steps,
 prefix_cache_hit_tokens; null when /metrics cannot be read), compiles (with --server-log: the
 compiles the server's log reports during the run, {n, kinds, lines}: a first-use stall inside the
-measurement), requests (per request in the CLI's order: start_s after the run's first request,
+measurement; and `cache_files`, {kind: n}, the files the JIT caches gained during the run, see
+--watch-cache), requests (per request in the CLI's order: start_s after the run's first request,
 ttft_ms; which wave a slow TTFT belongs to), and error (tail of the CLI's output) when status is
 not "ok". "ok" means rc 0 and completed == num_prompts.
 
@@ -57,6 +58,15 @@ across resumed invocations. --warmup-per-concurrency: instead, before the first 
 (shape, concurrency) point, one wave of `concurrency` such requests, so that every prefill token
 count the measured runs batch (concurrency x prompt length, up to the server's chunk) has been
 seen once (first-use compiles belong to the start-up benchmark, not to a steady-state point).
+--watch-cache KIND=DIR (repeatable; default: Triton's, TileLang's, DeepGEMM's and our kernel cache
+at the locations their environment variables or defaults give): the files each cache gains during
+a run are that run's compiles too. The log alone undercounts: vLLM 0.21.0 warns once per Triton
+kernel name (`logger.warning_once` in vllm/triton_utils/jit_monitor.py), and a kernel
+recompiled for a new specialization of its integer arguments (Triton specializes on divisibility
+by 16) compiles silently. --retry-on-compile N: a run during which anything compiled is run again
+(a new dataset seed), up to N times; the record is the last attempt, the earlier ones are kept in
+its `discarded` list (tok/s, TTFT, TPOT, duration, compiles), so a steady-state point is not
+measured across a compile stall, and the table can say how often one happened.
 SIGTERM (a driver's `timeout`) or Ctrl-C kills the running CLI's process group,
 records that run as "interrupted" and exits 143 (130). Exit status otherwise: 0 when every run
 that was started is "ok", 1 when one was not, 2 on bad arguments.
@@ -246,6 +256,43 @@ def compiles_since(path: Path | None, pos: int | None) -> dict | None:
     for e in ev:
         kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
     return {"n": len(ev), "kinds": kinds, "lines": [e["line"] for e in ev[:3]]}
+
+
+def default_caches() -> dict[str, Path]:
+    """The JIT caches a DSv4 server compiles into, at the locations the server's environment (the
+    same as this process's) gives them: Triton (TRITON_CACHE_DIR, ~/.triton/cache), TileLang
+    (TILELANG_CACHE_DIR, ~/.tilelang/cache), DeepGEMM (DG_JIT_CACHE_DIR, ~/.deep_gemm), ours
+    (CUTEDSL_CACHE_DIR, ~/.cache/cutedsl)."""
+    home = Path.home()
+    env = os.environ.get
+    return {
+        "triton": Path(env("TRITON_CACHE_DIR") or home / ".triton" / "cache"),
+        "tilelang": Path(env("TILELANG_CACHE_DIR") or home / ".tilelang" / "cache"),
+        "deepgemm": Path(env("DG_JIT_CACHE_DIR") or home / ".deep_gemm"),
+        "cutedsl": Path(env("CUTEDSL_CACHE_DIR") or home / ".cache" / "cutedsl"),
+    }
+
+
+def cache_files(caches: dict[str, Path]) -> dict[str, int]:
+    """Files under each cache directory now (0 for one that does not exist)."""
+    out = {}
+    for kind, d in caches.items():
+        n = 0
+        for _, _, files in os.walk(d):
+            n += len(files)
+        out[kind] = n
+    return out
+
+
+def cache_growth(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The caches that gained files, and how many (a cache that shrank, pruned, counts 0)."""
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)}
+
+
+def compiled(rec: dict) -> bool:
+    """Whether anything compiled during the run: a compile line in the log or a new cache file."""
+    c = rec.get("compiles") or {}
+    return bool(c.get("n") or c.get("cache_files"))
 
 
 # vLLM 0.21.0's cumulative server-side series (Prometheus names of its V1 metrics) whose change
@@ -439,6 +486,25 @@ def _record(res: dict) -> dict:
     return rec
 
 
+# the keys that name a point (kept when a run is repeated after a compile)
+_POINT_KEYS = ("label", "requested_shape", "shape", "input_len", "output_len", "concurrency",
+               "num_prompts", "repeat")  # fmt: skip
+
+
+def _summary(rec: dict) -> dict:
+    """What a discarded attempt leaves in its point's record."""
+    keys = ("seed", "status", "duration", "output_throughput", "median_ttft_ms", "median_tpot_ms",
+            "compiles")  # fmt: skip
+    return {k: rec.get(k) for k in keys}
+
+
+def _compile_text(rec: dict) -> str:
+    c = rec.get("compiles") or {}
+    parts = [f"{k} {v}" for k, v in (c.get("kinds") or {}).items()]
+    parts += [f"{k} +{v} files" for k, v in (c.get("cache_files") or {}).items()]
+    return ", ".join(parts) or "none"
+
+
 def _append(doc: dict, rec: dict) -> None:
     """Add rec, replacing an earlier (not ok) record of the same point and repeat (--resume)."""
     key = (rec["shape"], rec["concurrency"], rec.get("repeat", 0))
@@ -501,6 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-process", action="store_true", help="no subprocess per run")
     ap.add_argument("--server-log", default=None,
                     help="the server's log: each run and warm-up records the compiles it reports")  # fmt: skip
+    ap.add_argument("--watch-cache", action="append", default=None, metavar="KIND=DIR",
+                    help="a JIT cache whose new files count as compiles (default: the four known)")  # fmt: skip
+    ap.add_argument("--retry-on-compile", type=int, default=0, metavar="N",
+                    help="run a point again, up to N times, when something compiled during it")  # fmt: skip
     ap.add_argument("--python", default=sys.executable, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     try:
@@ -512,6 +582,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--repeats {a.repeats}: must be >= 1")
         if a.prompts_per_concurrency < 1:
             raise ValueError(f"--prompts-per-concurrency {a.prompts_per_concurrency}: >= 1")
+        if a.retry_on_compile < 0:
+            raise ValueError(f"--retry-on-compile {a.retry_on_compile}: must be >= 0")
+        a.caches = default_caches()
+        if a.watch_cache is not None:
+            a.caches = {}
+            for kv in a.watch_cache:
+                kind, sep, d = kv.partition("=")
+                if not sep or not kind or not d:
+                    raise ValueError(f"--watch-cache {kv!r}: give KIND=DIR")
+                a.caches[kind] = Path(d)
     except ValueError as e:
         print(f"serve_bench: {e}", file=sys.stderr)
         return 2
@@ -549,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_model_len": max_len,
         "fit_margin": None if a.no_fit else a.fit_margin,
         "log_dir": str(log_dir),
+        "watched_caches": {k: str(v) for k, v in a.caches.items()},
         "bench_flags": f"--backend vllm --endpoint /v1/completions --dataset-name random "
         f"--random-range-ratio 0 --ignore-eos --temperature {a.temperature} --seed {a.seed} "
         f"--num-warmups {a.num_warmups} --percentile-metrics {PERCENTILE_METRICS} "
@@ -657,42 +738,61 @@ def _loop(
                         _write(out, doc)
                         print(f"[{i}/{total}] {tag}: skipped ({rec['error']})", flush=True)
                         continue
-            rfile = f"{tag}.json"
-            # One dataset seed per run: a prompt repeated from an earlier run would hit the
-            # server's prefix cache.
-            rec["seed"] = a.seed + (i - 1 if a.seed_per_run else 0)
-            cmd = bench_command(a, inp, outl, conc, n, rdir, rfile, rec["seed"])
-            timeout = a.run_timeout if remaining is None else min(a.run_timeout, remaining)
-            rec["command"] = shlex.join(cmd)
-            before, pos = server_counters(a.base_url), log_size(slog)
-            try:
-                if a.in_process:
-                    rc, wall, tail = _run_in_process(cmd, log_dir / f"{tag}.log")
+            discarded: list[dict] = []
+            for attempt in range(1 + a.retry_on_compile):
+                if attempt:  # the last attempt compiled: run the point again, if time allows
+                    if a.time_budget is not None:
+                        remaining = a.time_budget - (time.monotonic() - t_start)
+                        if should_skip(remaining, prev_wall, a.min_run_s):
+                            break
+                    discarded.append(_summary(rec))
+                    rec = {k: rec[k] for k in _POINT_KEYS}
+                rfile = f"{tag}.json" if not attempt else f"{tag}_a{attempt}.json"
+                # One dataset seed per run (and per attempt): a prompt repeated from an earlier
+                # run would hit the server's prefix cache.
+                rec["seed"] = a.seed + (i - 1 if a.seed_per_run else 0) + attempt * total
+                cmd = bench_command(a, inp, outl, conc, n, rdir, rfile, rec["seed"])
+                timeout = a.run_timeout if remaining is None else min(a.run_timeout, remaining)
+                rec["command"] = shlex.join(cmd)
+                before, pos = server_counters(a.base_url), log_size(slog)
+                files0 = cache_files(a.caches)
+                try:
+                    if a.in_process:
+                        rc, wall, tail = _run_in_process(cmd, log_dir / f"{tag}.log")
+                    else:
+                        rc, wall, tail = _run(cmd, timeout, log_dir / f"{tag}.log")
+                except (_Interrupted, KeyboardInterrupt) as e:
+                    rec["status"] = "interrupted"
+                    why = str(e) or "SIGINT"
+                    rec["error"] = f"serve_bench stopped by {why}; the CLI was killed"
+                    if discarded:
+                        rec["discarded"] = discarded
+                    _append(doc, rec)
+                    _write(out, doc)
+                    print(f"[{i}/{total}] {tag}: interrupted; wrote {out}", flush=True)
+                    return 143 if isinstance(e, _Interrupted) else 130
+                prev_wall = wall
+                rec["wall_s"] = round(wall, 2)
+                rec["server"] = counter_delta(before, server_counters(a.base_url))
+                rec["compiles"] = compiles_since(slog, pos) if slog is not None else None
+                grown = cache_growth(files0, cache_files(a.caches))
+                rec["compiles"] = {**(rec["compiles"] or {}), "cache_files": grown}
+                rpath = Path(rdir) / rfile
+                if rpath.exists():
+                    rec.update(_record(json.loads(rpath.read_text())))
+                    rpath.unlink()
+                if rc is None:
+                    rec["status"] = "timeout"
+                elif rc == 0 and rec.get("completed") == n:
+                    rec["status"] = "ok"
                 else:
-                    rc, wall, tail = _run(cmd, timeout, log_dir / f"{tag}.log")
-            except (_Interrupted, KeyboardInterrupt) as e:
-                rec["status"] = "interrupted"
-                why = str(e) or "SIGINT"
-                rec["error"] = f"serve_bench stopped by {why}; the CLI was killed"
-                _append(doc, rec)
-                _write(out, doc)
-                print(f"[{i}/{total}] {tag}: interrupted; wrote {out}", flush=True)
-                return 143 if isinstance(e, _Interrupted) else 130
-            prev_wall = wall
-            rec["wall_s"] = round(wall, 2)
-            rec["server"] = counter_delta(before, server_counters(a.base_url))
-            if slog is not None:
-                rec["compiles"] = compiles_since(slog, pos)
-            rpath = Path(rdir) / rfile
-            if rpath.exists():
-                rec.update(_record(json.loads(rpath.read_text())))
-                rpath.unlink()
-            if rc is None:
-                rec["status"] = "timeout"
-            elif rc == 0 and rec.get("completed") == n:
-                rec["status"] = "ok"
-            else:
-                rec["status"] = "failed"
+                    rec["status"] = "failed"
+                if rec["status"] != "ok" or not compiled(rec):
+                    break
+                print(f"[{i}/{total}] {tag}: compiled during the run "
+                      f"({_compile_text(rec)})", flush=True)  # fmt: skip
+            if discarded:
+                rec["discarded"] = discarded
             if rec["status"] != "ok":
                 n_bad += 1
                 rec["rc"] = rc
@@ -705,6 +805,10 @@ def _loop(
                     f"TTFT p50 {rec['median_ttft_ms']:.1f} ms, "
                     f"TPOT p50 {rec['median_tpot_ms']:.2f} ms"
                 )
+                if compiled(rec):
+                    msg += f", compiled during the run ({_compile_text(rec)})"
+                if discarded:
+                    msg += f", {len(discarded)} earlier attempt(s) discarded for compiles"
             else:
                 msg = f"rc {rc}, completed {rec.get('completed')}/{n}"
             print(f"[{i}/{total}] {tag} n={n}: {rec['status']} ({wall:.0f} s): {msg}",

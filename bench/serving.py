@@ -278,6 +278,10 @@ def build_records(
                         **(r.get("server") or {}),
                         # compiles the server logged during the run (null: its log not read)
                         "compiles": (r.get("compiles") or {}).get("n"),
+                        # files the JIT caches gained during the run (null: not watched)
+                        "cache_files": _cache_files(r),
+                        # earlier attempts of this run, discarded because something compiled
+                        "discarded": len(r.get("discarded") or []),
                     }
                     for r in rs
                 ],
@@ -359,6 +363,12 @@ def markdown(records: list[dict], prov: dict) -> str:
     return "\n".join(lines)
 
 
+def _cache_files(run: dict) -> int | None:
+    """The files the watched JIT caches gained during a run (None: serve_bench watched none)."""
+    c = (run.get("compiles") or {}).get("cache_files")
+    return None if c is None else sum(c.values())
+
+
 def _repeats_markdown(records: list[dict]) -> list[str]:
     """Every repeat of every point, with the server's own counts over it."""
     rows = [(r, k, rep) for r in records for k, rep in enumerate(r.get("repeats") or [])]
@@ -367,11 +377,14 @@ def _repeats_markdown(records: list[dict]) -> list[str]:
     lines = [
         "Repeats: each run of each point, with what the server counted over it (`/metrics`: "
         "requests preempted, seconds requests waited in its queue, summed, engine steps) and "
-        "the compiles its log reported during the run (each one stalls the step it runs in).",
+        "the compiles its log reported during the run (each one stalls the step it runs in), the "
+        "files the JIT caches (Triton, TileLang, DeepGEMM, ours) gained during it (a compile the "
+        "log does not report: vLLM warns once per Triton kernel name), and the earlier attempts "
+        "discarded because something compiled during them.",
         "",
         "| impl | shape | conc | repeat | tok/s | TPOT p50 ms | TTFT p50 ms | duration s "
-        "| preemptions | queue s | engine steps | compiles |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| preemptions | queue s | engine steps | compiles | new cache files | discarded |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r, k, rep in rows:
         lines.append(
@@ -379,7 +392,8 @@ def _repeats_markdown(records: list[dict]) -> list[str]:
             f"| {_f(rep['tpot_p50_ms'], '{:.2f}')} | {_f(rep['ttft_p50_ms'], '{:.0f}')} "
             f"| {_f(rep['duration_s'], '{:.1f}')} | {_f(rep.get('preemptions'), '{:.0f}')} "
             f"| {_f(rep.get('queue_s'), '{:.1f}')} | {_f(rep.get('engine_steps'), '{:.0f}')} "
-            f"| {_f(rep.get('compiles'), '{:.0f}')} |"
+            f"| {_f(rep.get('compiles'), '{:.0f}')} | {_f(rep.get('cache_files'), '{:.0f}')} "
+            f"| {rep.get('discarded', 0)} |"
         )
     return lines + [""]
 

@@ -29,6 +29,17 @@ def _continuation(prompt: list[int], n: int) -> list[int]:
     return [rng.randrange(4096) for _ in range(n)]
 
 
+def _gaps(prompt: list[int], n: int) -> list[float]:
+    """A deterministic stand-in for the top-2 logprob gap at each generated position."""
+    rng = random.Random(hash(tuple(prompt)) + 1)
+    return [round(rng.uniform(0.0, 3.0), 5) for _ in range(n)]
+
+
+def _top2(gap: float) -> dict:
+    """Two candidates whose logprobs are `gap` apart, keyed as `return_tokens_as_token_ids` keys."""
+    return {"token_id:7": -0.5, "token_id:9": -0.5 - gap}
+
+
 def _stub(with_ids: bool = True):
     seen: list[dict] = []
     busy = threading.Lock()
@@ -45,6 +56,9 @@ def _stub(with_ids: bool = True):
                 choice = {"text": "x"}
                 if with_ids:
                     choice["token_ids"] = _continuation(body["prompt"], body["max_tokens"])
+                if body.get("logprobs"):
+                    gaps = _gaps(body["prompt"], body["max_tokens"])
+                    choice["logprobs"] = {"top_logprobs": [_top2(g) for g in gaps]}
                 data = json.dumps({"choices": [choice]}).encode()
             finally:
                 # released before the answer goes out: once the client has it, it may send the
@@ -90,10 +104,18 @@ def test_server_side_sends_each_prompt_alone_and_keeps_the_token_ids(tmp_path: P
     doc = json.loads(out.read_text())
     assert doc["prompts"] == gp.make_prompts(4, 32, 3)
     assert doc["outputs"] == [_continuation(p, 9) for p in doc["prompts"]]
-    assert [b["prompt"] for b in seen] == doc["prompts"]
+    assert doc["outputs_again"] == doc["outputs"] and doc["self_equal"] == 4
+    assert doc["top2_gaps"] == [_gaps(p, 9) for p in doc["prompts"]]
+    assert [b["prompt"] for b in seen] == doc["prompts"] * 2  # every prompt, then again
     for b in seen:
         assert b["temperature"] == 0.0 and b["ignore_eos"] and b["return_token_ids"]
-        assert (b["model"], b["max_tokens"]) == ("flash", 9)
+        assert (b["model"], b["max_tokens"], b["logprobs"]) == ("flash", 9, 2)
+        assert b["return_tokens_as_token_ids"]  # logprob keys stay distinct per token id
+
+
+def test_top2_gap() -> None:
+    assert gp.top2_gap({"a": -0.25, "b": -3.0, "c": -1.0}) == 0.75
+    assert gp.top2_gap({"a": -0.25}) is None and gp.top2_gap(None) is None
 
 
 def test_server_without_token_ids_is_refused(tmp_path: Path, capsys) -> None:
@@ -114,7 +136,8 @@ def test_offline_side_compares_and_says_so(tmp_path: Path, monkeypatch, diverge_
     prompts = gp.make_prompts(3, 16, 1)
     server = tmp_path / "s.json"
     server.write_text(json.dumps({"prompts": prompts, "max_tokens": 8, "command": "x",
-                                  "outputs": [_continuation(p, 8) for p in prompts]}))  # fmt: skip
+                                  "outputs": [_continuation(p, 8) for p in prompts],
+                                  "top2_gaps": [_gaps(p, 8) for p in prompts], "self_equal": 3}))  # fmt: skip
     calls: list[tuple] = []
 
     class FakeLLM:
@@ -126,10 +149,17 @@ def test_offline_side_compares_and_says_so(tmp_path: Path, monkeypatch, diverge_
         def generate(self, batch, sp, use_tqdm=False):
             assert len(batch) == 1, "one prompt per call (batch 1, as the server ran them)"
             calls.append(("generate", sp))
-            ids = _continuation(batch[0]["prompt_token_ids"], sp["max_tokens"])
-            if diverge_at is not None and len([c for c in calls if c[0] == "generate"]) == 2:
+            p = batch[0]["prompt_token_ids"]
+            ids = _continuation(p, sp["max_tokens"])
+            n = len([c for c in calls if c[0] == "generate"])
+            if diverge_at is not None and n in (2, 5):  # prompt 1, in both passes
                 ids[diverge_at] += 1
-            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids)])]
+            gaps = [g / 2 for g in _gaps(p, sp["max_tokens"])]
+            lps = [{7: types.SimpleNamespace(logprob=-0.5), 9: types.SimpleNamespace(logprob=-0.5 - g)}
+                   for g in gaps]  # fmt: skip
+            return [
+                types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, logprobs=lps)])
+            ]
 
     @dataclasses.dataclass
     class FakeEA:
@@ -150,15 +180,58 @@ def test_offline_side_compares_and_says_so(tmp_path: Path, monkeypatch, diverge_
     doc = json.loads(out.read_text())
     assert calls[0] == ("engine", FakeEA("ckpt"))
     sps = [c[1] for c in calls[1:]]
-    assert len(sps) == 3 and all(
-        sp == {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True} for sp in sps
+    assert len(sps) == 6 and all(  # every prompt, twice
+        sp == {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 2} for sp in sps
     )
     assert doc["ignored_flags"] == ["--port", "1"] and doc["device"] == "a GPU"
+    assert (doc["server_self_equal"], doc["offline_self_equal"]) == (3, 3)
+    want = [[g / 2 for g in _gaps(p, 8)] for p in prompts]
+    assert doc["offline_top2_gaps"] == [pytest.approx(w, abs=1e-5) for w in want]
     if diverge_at is None:
         assert rc == 0 and doc["verdict"] == "pass" and doc["equal"] == 3
+        assert not any("server_gap_at_diff" in r for r in doc["rows"])
     else:
         assert rc == 1 and doc["verdict"] == "fail" and doc["differ"] == 1
         assert [r["first_diff"] for r in doc["rows"]] == [None, diverge_at, None]
+        row = doc["rows"][1]
+        assert row["server_gap_at_diff"] == _gaps(prompts[1], 8)[diverge_at]
+        assert row["offline_gap_at_diff"] == pytest.approx(want[1][diverge_at], abs=1e-5)
+
+
+def test_offline_counts_a_pass_that_does_not_repeat_itself(tmp_path: Path, monkeypatch) -> None:
+    prompts = gp.make_prompts(2, 8, 4)
+    server = tmp_path / "s.json"
+    server.write_text(json.dumps({"prompts": prompts, "max_tokens": 4, "command": "x",
+                                  "outputs": [_continuation(p, 4) for p in prompts]}))  # fmt: skip
+    n = [0]
+
+    class FakeLLM:
+        @classmethod
+        def from_engine_args(cls, ea):
+            return cls()
+
+        def generate(self, batch, sp, use_tqdm=False):
+            n[0] += 1
+            ids = _continuation(batch[0]["prompt_token_ids"], sp["max_tokens"])
+            if n[0] == 4:  # prompt 1's second pass
+                ids[0] += 1
+            return [
+                types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, logprobs=None)])
+            ]
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams, fake.__version__ = FakeLLM, lambda **kw: kw, "0.21.0"
+    fake_inputs = types.ModuleType("vllm.inputs")
+    fake_inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", fake_inputs)
+    monkeypatch.setattr(gp, "engine_args", lambda flags: (types.SimpleNamespace(), []))
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda i: "a GPU")
+    out = tmp_path / "p.json"
+    rc = gp.main(["offline", "--server", str(server), "--out", str(out), "--", "ckpt"])
+    doc = json.loads(out.read_text())
+    assert rc == 0 and doc["equal"] == 2  # the first pass is the one compared
+    assert doc["offline_self_equal"] == 1 and doc["server_self_equal"] is None
 
 
 def test_offline_refuses_a_missing_server_file(tmp_path: Path, capsys) -> None:

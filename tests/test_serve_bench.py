@@ -369,6 +369,14 @@ if os.environ.get("FAKE_SERVER_LOG") and str(c) in os.environ.get("FAKE_COMPILE_
         f.write("(EngineCore pid=7) INFO TileLang begins to compile kernel `mhc_pre_big_fuse`\\n"
                 "(EngineCore pid=7) INFO cutedsl.jit: compiling cutedsl.sm90.gemm._build(128, 16)\\n"
                 "(APIServer pid=6) INFO 200 OK\\n")
+cache = os.environ.get("FAKE_CACHE_DIR")
+if cache and str(c) in os.environ.get("FAKE_CACHE_CONC", "").split(","):
+    # the server compiles a kernel into its cache during the first FAKE_CACHE_TIMES runs at c
+    runs = [f for f in os.listdir(cache) if f.startswith(f"c{c}_")]
+    if len(runs) < int(os.environ.get("FAKE_CACHE_TIMES", "1")):
+        os.makedirs(os.path.join(cache, "k"), exist_ok=True)
+        open(os.path.join(cache, f"c{c}_{len(runs)}"), "w").close()
+        open(os.path.join(cache, "k", f"kernel{c}_{len(runs)}.cubin"), "w").close()
 res = {"completed": n, "failed": 0, "duration": 1.0, "output_throughput": 10.0 * c,
        "median_ttft_ms": 5.0, "median_tpot_ms": 1.0}
 with open(os.path.join(arg("--result-dir"), arg("--result-filename")), "w") as f:
@@ -502,12 +510,13 @@ def test_compiles_the_server_logs_during_each_run(
                                  "--out", str(out), "--log-dir", str(tmp_path / "logs"),
                                  "--python", str(launcher), "--shapes", "16x8",
                                  "--concurrency", "1,2", "--warmup-per-concurrency",
-                                 "--server-log", str(log)]) == 0  # fmt: skip
+                                 "--server-log", str(log),
+                                 "--watch-cache", f"triton={tmp_path / 'none'}"]) == 0  # fmt: skip
     finally:
         srv.shutdown()
     doc = json.loads(out.read_text())
     c1, c2 = doc["runs"]
-    assert c1["compiles"] == {"n": 0, "kinds": {}, "lines": []}
+    assert c1["compiles"] == {"n": 0, "kinds": {}, "lines": [], "cache_files": {}}
     assert c2["compiles"]["n"] == 2 and c2["compiles"]["kinds"] == {"tilelang": 1, "cutedsl": 1}
     assert "mhc_pre_big_fuse" in c2["compiles"]["lines"][0]
     assert [
@@ -520,6 +529,47 @@ def test_compiles_the_server_logs_during_each_run(
     assert serve_bench.compiles_since(tmp_path / "nope.log", 0) is None
     assert serve_bench.compiles_since(None, None) is None
     assert serve_bench.compiles_since(log, 10**9)["n"] == 6  # a log that shrank: read whole
+
+
+@pytest.mark.parametrize("times", [1, 3])
+def test_a_run_that_compiled_is_run_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, times: int
+) -> None:
+    """--watch-cache: the files a JIT cache gains during a run are its compiles (no log needed:
+    vLLM logs a Triton kernel's compile once per name). --retry-on-compile 2: that point runs
+    again with a new seed, its earlier attempts kept as `discarded`; a point that compiles every
+    time keeps its last attempt, marked by its compiles; a point that did not compile runs once."""
+    cache = tmp_path / "triton"
+    cache.mkdir()
+    (cache / "old.cubin").write_text("x")  # in the cache before: not this run's
+    launcher, out = _fake_cli(tmp_path), tmp_path / "r.json"
+    monkeypatch.setenv("FAKE_CACHE_DIR", str(cache))
+    monkeypatch.setenv("FAKE_CACHE_CONC", "2")
+    monkeypatch.setenv("FAKE_CACHE_TIMES", str(times))
+    args = ["--base-url", "http://127.0.0.1:9", "--model", "m", "--label", "x", "--no-fit",
+            "--out", str(out), "--log-dir", str(tmp_path / "logs"), "--python", str(launcher),
+            "--shapes", "16x8", "--concurrency", "1,2", "--seed-per-run",
+            "--watch-cache", f"triton={cache}", "--watch-cache", f"tilelang={tmp_path / 'tl'}",
+            "--retry-on-compile", "2"]  # fmt: skip
+    assert serve_bench.main(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["header"]["watched_caches"] == {
+        "triton": str(cache),
+        "tilelang": str(tmp_path / "tl"),
+    }
+    c1, c2 = doc["runs"]
+    assert c1["compiles"]["cache_files"] == {} and "discarded" not in c1
+    assert c2["status"] == "ok" and c2["concurrency"] == 2
+    seeds = [d["seed"] for d in c2["discarded"]] + [c2["seed"]]
+    assert len(set(seeds + [c1["seed"]])) == len(seeds) + 1  # every attempt its own prompts
+    if times == 1:
+        assert [d["compiles"]["cache_files"] for d in c2["discarded"]] == [{"triton": 2}]
+        assert c2["compiles"]["cache_files"] == {}
+    else:  # compiled in all three attempts: the last one is kept, and says so
+        assert len(c2["discarded"]) == 2 and c2["compiles"]["cache_files"] == {"triton": 2}
+        assert serve_bench.compiled(c2)
+    assert all(d["output_throughput"] == 20.0 and d["status"] == "ok" for d in c2["discarded"])
+    assert serve_bench.main([*args, "--watch-cache", "nodir"]) == 2
 
 
 def test_server_counters_over_a_run() -> None:

@@ -133,7 +133,10 @@ def _serve(impl: str, rng: random.Random) -> dict:
                                  "preemptions": rng.randrange(5), "queue_s": rng.uniform(0, 9),
                                  "engine_steps": rng.randrange(900, 2000),
                                  "prefix_cache_hit_tokens": 0},
-                             "compiles": None if rep else {"n": rng.randrange(1, 4)}})  # fmt: skip
+                             "compiles": None if rep else {
+                                 "n": rng.randrange(1, 4),
+                                 "cache_files": {"triton": rng.randrange(1, 9), "tilelang": 1}},
+                             **({} if rep else {"discarded": [{"seed": 9}] * rng.randrange(1, 3)})})  # fmt: skip
     runs.append({"requested_shape": "1024x1024", "concurrency": 4, "status": "failed"})
     return {"header": {"date": "d", "device": "dev", "vllm_version": "0.21.0"}, "runs": runs}
 
@@ -162,6 +165,10 @@ def test_records_join_bench_profile_and_roofline(tmp_path: Path) -> None:
         assert "engine_steps" not in r["repeats"][1]  # no /metrics read in that run
         assert r["repeats"][0]["compiles"] == first["compiles"]["n"]
         assert r["repeats"][1]["compiles"] is None  # no server log read in that run
+        assert r["repeats"][0]["cache_files"] == sum(first["compiles"]["cache_files"].values())
+        assert r["repeats"][1]["cache_files"] is None  # no cache watched in that run
+        assert r["repeats"][0]["discarded"] == len(first["discarded"])
+        assert r["repeats"][1]["discarded"] == 0
         assert r["repeats"][1]["tpot_p50_ms"] == round(second["median_tpot_ms"], 3)
         ctx = int(r["shape"].split("x")[0]) + 512
         sb = sv.step_bytes(info, r["concurrency"], ctx)
@@ -183,7 +190,7 @@ def test_records_join_bench_profile_and_roofline(tmp_path: Path) -> None:
             in md)  # fmt: skip
     assert (
         f"| {rep0['preemptions']:.0f} | {rep0['queue_s']:.1f} | {rep0['engine_steps']:.0f} "
-        f"| {rep0['compiles']} |" in md
+        f"| {rep0['compiles']} | {rep0['cache_files']} | {rep0['discarded']} |" in md
     )
     assert md.count("\n| ours | ") == 8 and md.count("\n| upstream | ") == 8  # 4 points x 2 repeats
 

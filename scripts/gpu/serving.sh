@@ -17,16 +17,18 @@
 #      it), then
 #      a. `vllm bench serve` (bench/serve_bench.py --in-process, one dataset seed per run) on every
 #         SHAPES x CONCS point, repeat 0, each point's first run after one warm-up wave at its
-#         concurrency (its prefill token counts seen once: first-use stalls are startup.sh's);
+#         concurrency (its prefill token counts seen once: first-use stalls are startup.sh's),
+#         a run during which anything compiled run again (RETRY_ON_COMPILE times at most);
 #      b. per concurrency in PROFILE_CONCS, its decode profile (bench/profile_server.py, PROFILE_S s,
 #         1024-token prompts); per concurrency in HOST_CONCS, its host profile with no profiler
 #         attached (bench/host_profile.py: step time, CPU per server thread, foreign load, and
 #         py-spy stacks of the busiest server processes when PYSPY names a py-spy binary);
 #      c. the further repeats (REPEATS, default 2); then the server is stopped;
 #   3. the copy bandwidth, then bench/serving.py report: serving.json/.md/.png;
-#   4. (GREEDY=1, the default) ours' greedy outputs on bench/greedy_parity.py's prompts, taken
-#      through its server after its profiles, then, the servers stopped, through LLM.generate built
-#      from the same flags: greedy_server_ours.json, greedy_parity_ours.json.
+#   4. for each server GREEDY names (default "ours upstream"; 0: none), its greedy outputs on
+#      bench/greedy_parity.py's prompts, taken through the server after its profiles, then, the
+#      servers stopped, through LLM.generate built from the same flags (GREEDY_MIN_S, default 240:
+#      the seconds one needs): greedy_server_NAME.json, greedy_parity_NAME.json.
 # Checkpoints go to CKPT_DIR (default $RUN_DIR/checkpoints, outside the checkout: a checkout
 # carried to the GPU machine is replaced on every call; /dev/shm/cutedsl-checkpoints when the disk
 # lacks the room and memory has it; when neither holds both, upstream's goes to /dev/shm,
@@ -78,13 +80,21 @@ PROFILE_S=${PROFILE_S:-2}  # seconds of decode each profile records (the trace w
 HOST_CONCS=${HOST_CONCS-4 64}  # empty: no host profiles
 PYSPY=${PYSPY:-$(command -v py-spy || true)}
 MIN_RUN_S=${MIN_RUN_S:-40}  # a bench point is not started with less time than this left
+# a run during which the server compiled anything (a log line, or a new file in a JIT cache) is run
+# again, up to this many times (serve_bench.py --retry-on-compile: steady state, not a first use)
+RETRY_ON_COMPILE=${RETRY_ON_COMPILE:-2}
 # requests per bench point = PPC x concurrency: PPC waves of prefill + decode averaged in one point
 # (with one wave, two repeats of a point differed by up to 15 %)
 PPC=${PPC:-3}
 # 1: compile upstream's DeepGEMM kernels in parallel before it starts (bench/deepgemm_prewarm.py)
 DEEPGEMM_PREWARM=${DEEPGEMM_PREWARM:-1}
-# 1: ours' greedy outputs through its server vs LLM.generate (step 4; bench/greedy_parity.py)
-GREEDY=${GREEDY:-1}
+# whose greedy outputs through the server are compared with LLM.generate (step 4;
+# bench/greedy_parity.py): names, or 0 for none (1: both)
+GREEDY=${GREEDY:-ours upstream}
+case $GREEDY in 0) GREEDY= ;; 1) GREEDY="ours upstream" ;; esac
+for n in $GREEDY; do
+    case $n in ours | upstream) ;; *) echo "serving.sh: GREEDY=$GREEDY: each name is ours or upstream, or 0" >&2; exit 2 ;; esac
+done
 # which server goes first (ORDER="upstream ours" starts upstream first: its cold start JIT-compiles
 # about 1,700 DeepGEMM kernels, about 10 min on a fresh machine)
 ORDER=${ORDER:-ours upstream}
@@ -95,6 +105,7 @@ mkdir -p "$STATE"
 # the settings that shape the results, as the report's command line
 SETTINGS="FLASH_LAYERS=$FLASH_LAYERS SHAPES='$SHAPES' CONCS='$CONCS' REPEATS=$REPEATS PPC=$PPC"
 SETTINGS+=" PROFILE_CONCS='$PROFILE_CONCS' PROFILE_S=$PROFILE_S HOST_CONCS='$HOST_CONCS' MIN_RUN_S=$MIN_RUN_S"
+SETTINGS+=" RETRY_ON_COMPILE=$RETRY_ON_COMPILE"
 SETTINGS+=" CAPTURE_SIZES='$CAPTURE_SIZES' MAX_NUM_SEQS=$MAX_NUM_SEQS"
 left() { echo $((BUDGET - SECONDS)); }
 note() { echo "$(date -u +%T) [${SECONDS}s] $*" | tee -a "$OUT/summary.txt"; }
@@ -179,6 +190,7 @@ bench_pass() {  # bench_pass ours|upstream REPEATS: every point up to that many 
         --label "$label" --shapes "$(echo $SHAPES | tr ' ' ,)" --concurrency "$(echo $CONCS | tr ' ' ,)" \
         --prompts-per-concurrency "$PPC" --repeats "$reps" --seed-per-run --in-process \
         --num-warmups 0 --warmup-per-concurrency --time-budget "$t" --min-run-s "$MIN_RUN_S" --resume \
+        --retry-on-compile "$RETRY_ON_COMPILE" \
         --log-dir "$STATE/logs_$label" --server-log "$RUN_DIR/serve_flash_$n.log" \
         --out "$STATE/serve_$n.json"
     kill "$watch" 2>/dev/null
@@ -227,27 +239,29 @@ host_profile() {  # host_profile ours|upstream C: where the server's CPU goes at
     grep -m1 "decode step" "$STATE/host_${n}_c$c.md" 2>/dev/null | tee -a "$OUT/summary.txt"
 }
 
-greedy_server() {  # while ours serves: its greedy outputs on the parity prompts
-    [ "$GREEDY" = 1 ] && [ ! -f "$STATE/greedy_server_ours.json" ] || return 0
-    step greedy_server_ours 120 "$PYTHON" "$REPO/bench/greedy_parity.py" server \
-        --base-url "http://127.0.0.1:$(flash_port ours)" --model flash --out "$STATE/greedy_server_ours.json"
+greedy_on() { [[ " $GREEDY " == *" $1 "* ]]; }  # greedy_on ours|upstream
+greedy_server() {  # greedy_server ours|upstream, while it serves: its greedy outputs on the parity prompts
+    greedy_on "$1" && [ ! -f "$STATE/greedy_server_$1.json" ] || return 0
+    step "greedy_server_$1" 120 "$PYTHON" "$REPO/bench/greedy_parity.py" server \
+        --base-url "http://127.0.0.1:$(flash_port "$1")" --model flash --out "$STATE/greedy_server_$1.json"
 }
-greedy_offline() {  # the same prompts through LLM.generate with ours' server flags (GPU to itself)
-    local t
-    [ "$GREEDY" = 1 ] || return 0
-    [ -f "$STATE/greedy_parity_ours.json" ] && return 0
-    if [ ! -f "$STATE/greedy_server_ours.json" ]; then
-        note "greedy parity: not run (no server outputs: see greedy_server_ours.log)"
+greedy_offline() {  # greedy_offline ours|upstream: the same prompts through LLM.generate (GPU to itself)
+    local n=$1 t env
+    greedy_on "$n" || return 0
+    [ -f "$STATE/greedy_parity_$n.json" ] && return 0
+    if [ ! -f "$STATE/greedy_server_$n.json" ]; then
+        note "greedy parity $n: not run (no server outputs: see greedy_server_$n.log)"
         return 0
     fi
     t=$(( $(left) - 20 ))
-    [ "$t" -ge 240 ] || { note "greedy parity: not started ($t s left)"; return 1; }
+    [ "$t" -ge "${GREEDY_MIN_S:-240}" ] || { note "greedy parity $n: not started ($t s left)"; return 1; }
     stop_flash ours upstream
-    step greedy_parity_ours "$t" "${OURS[@]}" "$PYTHON" "$REPO/bench/greedy_parity.py" offline \
-        --server "$STATE/greedy_server_ours.json" --out "$STATE/greedy_parity_ours.json" -- \
-        "$(flash_ckpt ours)" "${DSV4_ENGINE_FLAGS[@]}" "${DSV4_CKPT_FLAGS[@]}" "${FLASH_ARGS[@]}"
-    tail -n 1 "$R/greedy_parity_ours.log" | tee -a "$OUT/summary.txt"
-    [ -f "$STATE/greedy_parity_ours.json" ]
+    if [ "$n" = ours ]; then env=("${OURS[@]}"); else env=("${UPSTREAM[@]}"); fi
+    step "greedy_parity_$n" "$t" "${env[@]}" "$PYTHON" "$REPO/bench/greedy_parity.py" offline \
+        --server "$STATE/greedy_server_$n.json" --out "$STATE/greedy_parity_$n.json" -- \
+        "$(flash_ckpt "$n")" "${DSV4_ENGINE_FLAGS[@]}" "${DSV4_CKPT_FLAGS[@]}" "${FLASH_ARGS[@]}"
+    tail -n 1 "$R/greedy_parity_$n.log" | tee -a "$OUT/summary.txt"
+    [ -f "$STATE/greedy_parity_$n.json" ]
 }
 
 device_info
@@ -312,7 +326,7 @@ for n in $ORDER; do
     bench_done "$n" 1 || bench_pass "$n" 1
     for c in $PROFILE_CONCS; do profile "$n" "$c"; done
     for c in $HOST_CONCS; do host_profile "$n" "$c"; done
-    [ "$n" = ours ] && greedy_server
+    greedy_server "$n"
     bench_done "$n" "$REPEATS" || bench_pass "$n" "$REPEATS"
     impl_done "$n" || { note "$n: not done yet: call again"; finish; exit 1; }
     if [ "$ONE_AT_A_TIME" = 1 ]; then stop_flash "$n"; note "$n: done, server stopped"; fi
@@ -335,7 +349,7 @@ if bench_done ours "$REPEATS" && bench_done upstream "$REPEATS"; then
         --versions "$(tail -n 4 "$R/device.txt" | tr '\n' ' ')" \
         --json "$STATE/serving.json" --md "$STATE/serving.md" --png "$STATE/serving.png"
     if [ "${STOP_SERVERS:-1}" = 1 ]; then stop_flash ours upstream; note "servers stopped"; fi
-    if greedy_offline; then note "serving: done"; else note "serving: not done yet: call again"; fi
+    if greedy_offline ours && greedy_offline upstream; then note "serving: done"; else note "serving: not done yet: call again"; fi
 else
     note "serving: not done yet: call again"
 fi
