@@ -14,8 +14,10 @@ itself?). Needs only the server.
 
 `offline`: the same prompts through `vllm.LLM` built from the server's own flags (parsed by vLLM's
 `EngineArgs` parser; flags only the API server knows are listed in the JSON as `ignored_flags`),
-one prompt per `generate` call, the same sampling, twice; then, per prompt, whether the two token
-lists are equal, the first position where they differ and, there, the gap between the two most
+one prompt per `generate` call, the same sampling; then a load (LOAD_PROMPTS prompts of LOAD_LEN
+random ids in one batch, as a server's earlier traffic) and the prompts again (does it repeat
+itself, after the load as the server ran them?); then, per prompt, whether the server's and the
+first offline token lists are equal, the first position where they differ and, there, the gap between the two most
 likely tokens' logprobs on each side (a gap near 0 is a near tie that a last-bit difference in the
 logits flips; a large gap is a different computation). Needs the GPU the server had (stop the
 server first). Writes the command, date, device, versions, every prompt's result, whether each
@@ -180,7 +182,15 @@ def cmd_offline(a: argparse.Namespace) -> int:
     llm = LLM.from_engine_args(ea)
     sp = SamplingParams(temperature=0.0, max_tokens=srv["max_tokens"], ignore_eos=True, logprobs=2)
     passes: list[tuple[list[list[int]], list[list[float | None]]]] = []
-    for _ in range(2):  # the second pass: does LLM.generate repeat itself?
+    load = {"prompts": a.load_prompts, "prompt_len": a.load_len}
+    for npass in range(2):  # the second pass after a load: does LLM.generate repeat itself?
+        if npass and a.load_prompts:
+            t0 = time.monotonic()
+            batch = [TokensPrompt(prompt_token_ids=q)
+                     for q in make_prompts(a.load_prompts, a.load_len, seed=10**6)]  # fmt: skip
+            lsp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+            llm.generate(batch, lsp, use_tqdm=False)
+            load["wall_s"] = round(time.monotonic() - t0, 2)
         offline, gaps = [], []
         for p in prompts:  # one at a time: batch 1, as the server ran each
             o = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0].outputs[0]
@@ -201,6 +211,8 @@ def cmd_offline(a: argparse.Namespace) -> int:
         "engine_args": {k: repr(v) for k, v in vars(ea).items()},
         "ignored_flags": ignored, **res, "offline_outputs": offline, "offline_top2_gaps": gaps,
         "server_self_equal": srv.get("self_equal"), "offline_self_equal": self_equal(offline, again),
+        "load_between_offline_passes": load,
+        "server_equal_offline_after_load": self_equal(outputs, again),
         "verdict": "pass" if res["differ"] == 0 else "fail",
     }  # fmt: skip
     _write(a.out, doc)
@@ -209,7 +221,9 @@ def cmd_offline(a: argparse.Namespace) -> int:
         (r["first_diff"], r.get("server_gap_at_diff"), r.get("offline_gap_at_diff")) for r in diffs
     ]
     print(f"greedy_parity: {res['equal']}/{res['prompts']} prompts equal; each side repeats itself: "
-          f"server {srv.get('self_equal', '?')}/{n}, offline {doc['offline_self_equal']}/{n}"
+          f"server {srv.get('self_equal', '?')}/{n}, offline (after a load) "
+          f"{doc['offline_self_equal']}/{n}; server vs offline after the load "
+          f"{doc['server_equal_offline_after_load']}/{n}"
           + (f"; first differences (position, server gap, offline gap): {at}" if diffs else "")
           + f" -> {a.out}")  # fmt: skip
     return 0 if res["differ"] == 0 else 1
@@ -232,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     o = sub.add_parser("offline", help="the same prompts through LLM.generate, compared")
     o.add_argument("--server", required=True, help="the JSON of `server`")
     o.add_argument("--out", required=True)
+    o.add_argument("--load-prompts", type=int, default=64,
+                   help="prompts of the load between the two offline passes (0: none)")  # fmt: skip
+    o.add_argument("--load-len", type=int, default=1024, help="their length in tokens")
     o.add_argument(
         "flags", nargs=argparse.REMAINDER, help="-- CKPT [the server's vllm serve flags]"
     )

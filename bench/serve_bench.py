@@ -58,8 +58,9 @@ across resumed invocations. --warmup-per-concurrency: instead, before the first 
 (shape, concurrency) point, one wave of `concurrency` such requests, so that every prefill token
 count the measured runs batch (concurrency x prompt length, up to the server's chunk) has been
 seen once (first-use compiles belong to the start-up benchmark, not to a steady-state point).
---watch-cache KIND=DIR (repeatable; default: Triton's, TileLang's, DeepGEMM's and our kernel cache
-at the locations their environment variables or defaults give): the files each cache gains during
+--watch-cache KIND=DIR (repeatable; default: vLLM's cache folder, which holds torch.compile's,
+DeepGEMM's and, once torch.compile has run, Triton's, and Triton's, TileLang's and our kernel
+cache, where their environment variables or defaults put them): the files each cache gains during
 a run are that run's compiles too. The log alone undercounts: vLLM 0.21.0 warns once per Triton
 kernel name (`logger.warning_once` in vllm/triton_utils/jit_monitor.py), and a kernel
 recompiled for a new specialization of its integer arguments (Triton specializes on divisibility
@@ -259,18 +260,23 @@ def compiles_since(path: Path | None, pos: int | None) -> dict | None:
 
 
 def default_caches() -> dict[str, Path]:
-    """The JIT caches a DSv4 server compiles into, at the locations the server's environment (the
-    same as this process's) gives them: Triton (TRITON_CACHE_DIR, ~/.triton/cache), TileLang
-    (TILELANG_CACHE_DIR, ~/.tilelang/cache), DeepGEMM (DG_JIT_CACHE_DIR, ~/.deep_gemm), ours
+    """The JIT caches a DSv4 server compiles into, where the server's environment (the same as
+    this process's) puts them: vLLM's (VLLM_CACHE_ROOT, $XDG_CACHE_HOME/vllm, ~/.cache/vllm:
+    torch.compile's, the Triton kernels compiled after it points TRITON_CACHE_DIR there, and
+    DeepGEMM's unless DG_JIT_CACHE_DIR says otherwise), Triton's own (TRITON_CACHE_DIR,
+    ~/.triton/cache), TileLang's (TILELANG_CACHE_DIR, ~/.tilelang/cache) and ours
     (CUTEDSL_CACHE_DIR, ~/.cache/cutedsl)."""
-    home = Path.home()
     env = os.environ.get
-    return {
-        "triton": Path(env("TRITON_CACHE_DIR") or home / ".triton" / "cache"),
-        "tilelang": Path(env("TILELANG_CACHE_DIR") or home / ".tilelang" / "cache"),
-        "deepgemm": Path(env("DG_JIT_CACHE_DIR") or home / ".deep_gemm"),
-        "cutedsl": Path(env("CUTEDSL_CACHE_DIR") or home / ".cache" / "cutedsl"),
+    xdg = Path(env("XDG_CACHE_HOME") or Path.home() / ".cache")
+    caches = {
+        "vllm": Path(env("VLLM_CACHE_ROOT") or xdg / "vllm"),
+        "triton": Path(env("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache"),
+        "tilelang": Path(env("TILELANG_CACHE_DIR") or Path.home() / ".tilelang" / "cache"),
+        "cutedsl": Path(env("CUTEDSL_CACHE_DIR") or Path.home() / ".cache" / "cutedsl"),
     }
+    if env("DG_JIT_CACHE_DIR"):
+        caches["deepgemm"] = Path(env("DG_JIT_CACHE_DIR"))
+    return caches
 
 
 def cache_files(caches: dict[str, Path]) -> dict[str, int]:

@@ -378,7 +378,7 @@ def _repeats_markdown(records: list[dict]) -> list[str]:
         "Repeats: each run of each point, with what the server counted over it (`/metrics`: "
         "requests preempted, seconds requests waited in its queue, summed, engine steps) and "
         "the compiles its log reported during the run (each one stalls the step it runs in), the "
-        "files the JIT caches (Triton, TileLang, DeepGEMM, ours) gained during it (a compile the "
+        "files the JIT caches (vLLM's torch.compile, Triton and DeepGEMM, TileLang, ours) gained during it (a compile the "
         "log does not report: vLLM warns once per Triton kernel name), and the earlier attempts "
         "discarded because something compiled during them.",
         "",

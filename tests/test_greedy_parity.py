@@ -147,7 +147,9 @@ def test_offline_side_compares_and_says_so(tmp_path: Path, monkeypatch, diverge_
             return cls()
 
         def generate(self, batch, sp, use_tqdm=False):
-            assert len(batch) == 1, "one prompt per call (batch 1, as the server ran them)"
+            if len(batch) > 1:  # the load between the passes
+                calls.append(("load", [len(b["prompt_token_ids"]) for b in batch], sp))
+                return [None] * len(batch)
             calls.append(("generate", sp))
             p = batch[0]["prompt_token_ids"]
             ids = _continuation(p, sp["max_tokens"])
@@ -174,12 +176,16 @@ def test_offline_side_compares_and_says_so(tmp_path: Path, monkeypatch, diverge_
     monkeypatch.setattr(gp, "engine_args", lambda flags: (FakeEA(flags[0]), ["--port", "1"]))
     monkeypatch.setattr("torch.cuda.get_device_name", lambda i: "a GPU")
     out = tmp_path / "p.json"
-    rc = gp.main(
-        ["offline", "--server", str(server), "--out", str(out), "--", "ckpt", "--port", "1"]
-    )
+    rc = gp.main(["offline", "--server", str(server), "--out", str(out), "--load-prompts", "5",
+                  "--load-len", "33", "--", "ckpt", "--port", "1"])  # fmt: skip
     doc = json.loads(out.read_text())
     assert calls[0] == ("engine", FakeEA("ckpt"))
-    sps = [c[1] for c in calls[1:]]
+    # every prompt alone, then the load in one batch, then every prompt again
+    assert [c[0] for c in calls[1:]] == ["generate"] * 3 + ["load"] + ["generate"] * 3
+    assert calls[4][1] == [33] * 5 and calls[4][2]["max_tokens"] == 16
+    assert doc["load_between_offline_passes"]["prompts"] == 5
+    assert doc["server_equal_offline_after_load"] == (3 if diverge_at is None else 2)
+    sps = [c[1] for c in calls[1:] if c[0] == "generate"]
     assert len(sps) == 6 and all(  # every prompt, twice
         sp == {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 2} for sp in sps
     )
@@ -211,6 +217,7 @@ def test_offline_counts_a_pass_that_does_not_repeat_itself(tmp_path: Path, monke
             return cls()
 
         def generate(self, batch, sp, use_tqdm=False):
+            assert len(batch) == 1, "--load-prompts 0: no load between the passes"
             n[0] += 1
             ids = _continuation(batch[0]["prompt_token_ids"], sp["max_tokens"])
             if n[0] == 4:  # prompt 1's second pass
@@ -228,10 +235,13 @@ def test_offline_counts_a_pass_that_does_not_repeat_itself(tmp_path: Path, monke
     monkeypatch.setattr(gp, "engine_args", lambda flags: (types.SimpleNamespace(), []))
     monkeypatch.setattr("torch.cuda.get_device_name", lambda i: "a GPU")
     out = tmp_path / "p.json"
-    rc = gp.main(["offline", "--server", str(server), "--out", str(out), "--", "ckpt"])
+    rc = gp.main(
+        ["offline", "--server", str(server), "--out", str(out), "--load-prompts", "0", "--", "ckpt"]
+    )
     doc = json.loads(out.read_text())
     assert rc == 0 and doc["equal"] == 2  # the first pass is the one compared
     assert doc["offline_self_equal"] == 1 and doc["server_self_equal"] is None
+    assert doc["server_equal_offline_after_load"] == 1
 
 
 def test_offline_refuses_a_missing_server_file(tmp_path: Path, capsys) -> None:

@@ -572,6 +572,39 @@ def test_a_run_that_compiled_is_run_again(
     assert serve_bench.main([*args, "--watch-cache", "nodir"]) == 2
 
 
+def test_default_caches_follow_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caches watched by default are where the server's environment puts them: vLLM's root
+    (which holds torch.compile's, Triton's once torch.compile ran, and DeepGEMM's), Triton's,
+    TileLang's, ours; DeepGEMM's own only when DG_JIT_CACHE_DIR moves it out of vLLM's."""
+    for k in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR", "CUTEDSL_CACHE_DIR",
+              "DG_JIT_CACHE_DIR"):  # fmt: skip
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    got = serve_bench.default_caches()
+    assert got == {
+        "vllm": tmp_path / "xdg" / "vllm",
+        "triton": tmp_path / "home" / ".triton" / "cache",
+        "tilelang": tmp_path / "home" / ".tilelang" / "cache",
+        "cutedsl": tmp_path / "home" / ".cache" / "cutedsl",
+    }
+    for k, d in (("VLLM_CACHE_ROOT", "v"), ("TRITON_CACHE_DIR", "t"), ("TILELANG_CACHE_DIR", "l"),
+                 ("CUTEDSL_CACHE_DIR", "c"), ("DG_JIT_CACHE_DIR", "g")):  # fmt: skip
+        monkeypatch.setenv(k, str(tmp_path / d))
+    got = serve_bench.default_caches()
+    assert {k: v.name for k, v in got.items()} == {
+        "vllm": "v", "triton": "t", "tilelang": "l", "cutedsl": "c", "deepgemm": "g"
+    }  # fmt: skip
+    (tmp_path / "t" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "t" / "a" / "b" / "k.cubin").write_text("x")
+    (tmp_path / "t" / "k.json").write_text("x")
+    n = serve_bench.cache_files(got)
+    assert n == {"vllm": 0, "triton": 2, "tilelang": 0, "cutedsl": 0, "deepgemm": 0}
+    assert serve_bench.cache_growth({"triton": 1, "vllm": 5}, n) == {"triton": 1}
+
+
 def test_server_counters_over_a_run() -> None:
     """The server's own counters: parsed from Prometheus text (summed over label sets), read
     before and after a run, their change recorded; a server without /metrics gives None."""
