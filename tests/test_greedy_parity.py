@@ -131,6 +131,19 @@ def test_server_without_token_ids_is_refused(tmp_path: Path, capsys) -> None:
     assert "no token_ids" in capsys.readouterr().err
 
 
+def _fake_vllm(monkeypatch, llm_cls: type, engine_args) -> None:
+    """`vllm.LLM` (llm_cls), `SamplingParams` (its keywords as a dict) and `TokensPrompt` stand-ins,
+    and greedy_parity's engine-args parser replaced by `engine_args`."""
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams, fake.__version__ = llm_cls, lambda **kw: kw, "0.21.0"
+    fake_inputs = types.ModuleType("vllm.inputs")
+    fake_inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", fake_inputs)
+    monkeypatch.setattr(gp, "engine_args", engine_args)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda i: "a GPU")
+
+
 @pytest.mark.parametrize("diverge_at", [None, 5])
 def test_offline_side_compares_and_says_so(tmp_path: Path, monkeypatch, diverge_at) -> None:
     prompts = gp.make_prompts(3, 16, 1)
@@ -167,14 +180,7 @@ def test_offline_side_compares_and_says_so(tmp_path: Path, monkeypatch, diverge_
     class FakeEA:
         model: str = "ckpt"
 
-    fake = types.ModuleType("vllm")
-    fake.LLM, fake.SamplingParams, fake.__version__ = FakeLLM, lambda **kw: kw, "0.21.0"
-    fake_inputs = types.ModuleType("vllm.inputs")
-    fake_inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    monkeypatch.setitem(sys.modules, "vllm.inputs", fake_inputs)
-    monkeypatch.setattr(gp, "engine_args", lambda flags: (FakeEA(flags[0]), ["--port", "1"]))
-    monkeypatch.setattr("torch.cuda.get_device_name", lambda i: "a GPU")
+    _fake_vllm(monkeypatch, FakeLLM, lambda flags: (FakeEA(flags[0]), ["--port", "1"]))
     out = tmp_path / "p.json"
     rc = gp.main(["offline", "--server", str(server), "--out", str(out), "--load-prompts", "5",
                   "--load-len", "33", "--", "ckpt", "--port", "1"])  # fmt: skip
@@ -226,14 +232,7 @@ def test_offline_counts_a_pass_that_does_not_repeat_itself(tmp_path: Path, monke
                 types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, logprobs=None)])
             ]
 
-    fake = types.ModuleType("vllm")
-    fake.LLM, fake.SamplingParams, fake.__version__ = FakeLLM, lambda **kw: kw, "0.21.0"
-    fake_inputs = types.ModuleType("vllm.inputs")
-    fake_inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    monkeypatch.setitem(sys.modules, "vllm.inputs", fake_inputs)
-    monkeypatch.setattr(gp, "engine_args", lambda flags: (types.SimpleNamespace(), []))
-    monkeypatch.setattr("torch.cuda.get_device_name", lambda i: "a GPU")
+    _fake_vllm(monkeypatch, FakeLLM, lambda flags: (types.SimpleNamespace(), []))
     out = tmp_path / "p.json"
     rc = gp.main(
         ["offline", "--server", str(server), "--out", str(out), "--load-prompts", "0", "--", "ckpt"]
