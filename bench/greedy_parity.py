@@ -209,7 +209,11 @@ def cmd_offline(a: argparse.Namespace) -> int:
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
         "server_json": a.server, "server_command": srv.get("command"),
         "engine_args": {k: repr(v) for k, v in vars(ea).items()},
-        "ignored_flags": ignored, **res, "offline_outputs": offline, "offline_top2_gaps": gaps,
+        "ignored_flags": ignored,
+        # vLLM keys its torch.compile cache on these (vllm/envs.py compile_factors): with the
+        # server's, the offline engine runs the graph the server compiled
+        "vllm_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")},
+        **res, "offline_outputs": offline, "offline_top2_gaps": gaps,
         "server_self_equal": srv.get("self_equal"), "offline_self_equal": self_equal(offline, again),
         "load_between_offline_passes": load,
         "server_equal_offline_after_load": self_equal(outputs, again),

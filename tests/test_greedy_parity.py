@@ -181,6 +181,7 @@ def test_offline_side_compares_and_says_so(tmp_path: Path, monkeypatch, diverge_
         model: str = "ckpt"
 
     _fake_vllm(monkeypatch, FakeLLM, lambda flags: (FakeEA(flags[0]), ["--port", "1"]))
+    monkeypatch.setenv("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")  # part of the compile cache key
     out = tmp_path / "p.json"
     rc = gp.main(["offline", "--server", str(server), "--out", str(out), "--load-prompts", "5",
                   "--load-len", "33", "--", "ckpt", "--port", "1"])  # fmt: skip
@@ -196,6 +197,8 @@ def test_offline_side_compares_and_says_so(tmp_path: Path, monkeypatch, diverge_
         sp == {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 2} for sp in sps
     )
     assert doc["ignored_flags"] == ["--port", "1"] and doc["device"] == "a GPU"
+    assert doc["vllm_env"]["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] == "1"
+    assert all(k.startswith("VLLM_") for k in doc["vllm_env"])
     assert (doc["server_self_equal"], doc["offline_self_equal"]) == (3, 3)
     want = [[g / 2 for g in _gaps(p, 8)] for p in prompts]
     assert doc["offline_top2_gaps"] == [pytest.approx(w, abs=1e-5) for w in want]
