@@ -29,8 +29,8 @@ max_output_tokens_per_s, command (exact argv as a shell string), server (the cha
 run of the server's own counters from /metrics: preemptions, queue_s, engine_steps,
 prefix_cache_hit_tokens; null when /metrics cannot be read), compiles (with --server-log: the
 compiles the server's log reports during the run, {n, kinds, lines}: a first-use stall inside the
-measurement; and `cache_files`, {kind: n}, the files the JIT caches gained during the run, see
---watch-cache), requests (per request in the CLI's order: start_s after the run's first request,
+measurement; and `cache_files`, {KIND or KIND/SUBFOLDER: n}, the files the JIT caches gained
+during the run, see --watch-cache), requests (per request in the CLI's order: start_s after the run's first request,
 ttft_ms; which wave a slow TTFT belongs to), and error (tail of the CLI's output) when status is
 not "ok". "ok" means rc 0 and completed == num_prompts.
 
@@ -280,13 +280,16 @@ def default_caches() -> dict[str, Path]:
 
 
 def cache_files(caches: dict[str, Path]) -> dict[str, int]:
-    """Files under each cache directory now (0 for one that does not exist)."""
+    """Files under each cache directory now: "KIND" counts those directly in it (0 for a directory
+    that does not exist), "KIND/SUB" those under each of its subdirectories (which JIT wrote them:
+    vllm/deep_gemm, vllm/torch_compile_cache for Triton once torch.compile has run, ...)."""
     out = {}
     for kind, d in caches.items():
-        n = 0
-        for _, _, files in os.walk(d):
-            n += len(files)
-        out[kind] = n
+        out[kind] = 0
+        for root, _, files in os.walk(d):
+            rel = Path(root).relative_to(d).parts
+            key = f"{kind}/{rel[0]}" if rel else kind
+            out[key] = out.get(key, 0) + len(files)
     return out
 
 

@@ -562,11 +562,12 @@ def test_a_run_that_compiled_is_run_again(
     assert c2["status"] == "ok" and c2["concurrency"] == 2
     seeds = [d["seed"] for d in c2["discarded"]] + [c2["seed"]]
     assert len(set(seeds + [c1["seed"]])) == len(seeds) + 1  # every attempt its own prompts
+    new = {"triton": 1, "triton/k": 1}  # a file in the cache's folder, one in its subfolder k
     if times == 1:
-        assert [d["compiles"]["cache_files"] for d in c2["discarded"]] == [{"triton": 2}]
+        assert [d["compiles"]["cache_files"] for d in c2["discarded"]] == [new]
         assert c2["compiles"]["cache_files"] == {}
     else:  # compiled in all three attempts: the last one is kept, and says so
-        assert len(c2["discarded"]) == 2 and c2["compiles"]["cache_files"] == {"triton": 2}
+        assert len(c2["discarded"]) == 2 and c2["compiles"]["cache_files"] == new
         assert serve_bench.compiled(c2)
     assert all(d["output_throughput"] == 20.0 and d["status"] == "ok" for d in c2["discarded"])
     assert serve_bench.main([*args, "--watch-cache", "nodir"]) == 2
@@ -601,8 +602,8 @@ def test_default_caches_follow_the_environment(
     (tmp_path / "t" / "a" / "b" / "k.cubin").write_text("x")
     (tmp_path / "t" / "k.json").write_text("x")
     n = serve_bench.cache_files(got)
-    assert n == {"vllm": 0, "triton": 2, "tilelang": 0, "cutedsl": 0, "deepgemm": 0}
-    assert serve_bench.cache_growth({"triton": 1, "vllm": 5}, n) == {"triton": 1}
+    assert n == {"vllm": 0, "triton": 1, "triton/a": 1, "tilelang": 0, "cutedsl": 0, "deepgemm": 0}
+    assert serve_bench.cache_growth({"triton": 1, "vllm": 5}, n) == {"triton/a": 1}
 
 
 def test_server_counters_over_a_run() -> None:
