@@ -29,8 +29,9 @@ max_output_tokens_per_s, command (exact argv as a shell string), server (the cha
 run of the server's own counters from /metrics: preemptions, queue_s, engine_steps,
 prefix_cache_hit_tokens; null when /metrics cannot be read), compiles (with --server-log: the
 compiles the server's log reports during the run, {n, kinds, lines}: a first-use stall inside the
-measurement; and `cache_files`, {KIND or KIND/SUBFOLDER: n}, the files the JIT caches gained
-during the run, see --watch-cache), requests (per request in the CLI's order: start_s after the run's first request,
+measurement; `cache_files`, {KIND or KIND/SUBFOLDER: n}, the compiled-kernel files the JIT
+caches gained or rewrote during the run, see --watch-cache, and `new_cache_files`, the first 10 of
+them), requests (per request in the CLI's order: start_s after the run's first request,
 ttft_ms; which wave a slow TTFT belongs to), and error (tail of the CLI's output) when status is
 not "ok". "ok" means rc 0 and completed == num_prompts.
 
@@ -91,6 +92,9 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import startup  # noqa: E402
 
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
 METRIC_PERCENTILES = "50,90,99"
@@ -279,23 +283,27 @@ def default_caches() -> dict[str, Path]:
     return caches
 
 
-def cache_files(caches: dict[str, Path]) -> dict[str, int]:
-    """Files under each cache directory now: "KIND" counts those directly in it (0 for a directory
-    that does not exist), "KIND/SUB" those under each of its subdirectories (which JIT wrote them:
-    vllm/deep_gemm, vllm/torch_compile_cache for Triton once torch.compile has run, ...)."""
-    out = {}
-    for kind, d in caches.items():
-        out[kind] = 0
-        for root, _, files in os.walk(d):
-            rel = Path(root).relative_to(d).parts
-            key = f"{kind}/{rel[0]}" if rel else kind
-            out[key] = out.get(key, 0) + len(files)
-    return out
+def cache_snapshot(caches: dict[str, Path]) -> dict[str, dict]:
+    """Per cache: relative path -> (size, mtime) of every compiled-kernel file in it (startup.py's
+    snapshot: locks, temporaries and logs left out)."""
+    return {kind: startup.snapshot(d) for kind, d in caches.items()}
 
 
-def cache_growth(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    """The caches that gained files, and how many (a cache that shrank, pruned, counts 0)."""
-    return {k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)}
+def cache_changes(
+    before: dict[str, dict], after: dict[str, dict]
+) -> tuple[dict[str, int], list[str]]:
+    """The kernel files created or changed between two snapshots: their count per "KIND/SUBFOLDER"
+    ("KIND" for those directly in the cache's folder: which JIT wrote them, e.g. vllm/deep_gemm,
+    vllm/torch_compile_cache for Triton once torch.compile has run), and the first 10 paths."""
+    counts: dict[str, int] = {}
+    paths: list[str] = []
+    for kind, snap in after.items():
+        for rel in startup.changed(before.get(kind, {}), snap):
+            head, sep, _ = rel.partition("/")
+            key = f"{kind}/{head}" if sep else kind
+            counts[key] = counts.get(key, 0) + 1
+            paths.append(f"{kind}/{rel}")
+    return counts, paths[:10]
 
 
 def compiled(rec: dict) -> bool:
@@ -764,7 +772,7 @@ def _loop(
                 timeout = a.run_timeout if remaining is None else min(a.run_timeout, remaining)
                 rec["command"] = shlex.join(cmd)
                 before, pos = server_counters(a.base_url), log_size(slog)
-                files0 = cache_files(a.caches)
+                files0 = cache_snapshot(a.caches)
                 try:
                     if a.in_process:
                         rc, wall, tail = _run_in_process(cmd, log_dir / f"{tag}.log")
@@ -784,8 +792,9 @@ def _loop(
                 rec["wall_s"] = round(wall, 2)
                 rec["server"] = counter_delta(before, server_counters(a.base_url))
                 rec["compiles"] = compiles_since(slog, pos) if slog is not None else None
-                grown = cache_growth(files0, cache_files(a.caches))
-                rec["compiles"] = {**(rec["compiles"] or {}), "cache_files": grown}
+                grown, new_files = cache_changes(files0, cache_snapshot(a.caches))
+                rec["compiles"] = {**(rec["compiles"] or {}), "cache_files": grown,
+                                   "new_cache_files": new_files}  # fmt: skip
                 rpath = Path(rdir) / rfile
                 if rpath.exists():
                     rec.update(_record(json.loads(rpath.read_text())))

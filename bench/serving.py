@@ -278,7 +278,7 @@ def build_records(
                         **(r.get("server") or {}),
                         # compiles the server logged during the run (null: its log not read)
                         "compiles": (r.get("compiles") or {}).get("n"),
-                        # files the JIT caches gained during the run (null: not watched)
+                        # kernel files the JIT caches gained or rewrote (null: not watched)
                         "cache_files": _cache_files(r),
                         # earlier attempts of this run, discarded because something compiled
                         "discarded": len(r.get("discarded") or []),
@@ -378,8 +378,9 @@ def _repeats_markdown(records: list[dict]) -> list[str]:
         "Repeats: each run of each point, with what the server counted over it (`/metrics`: "
         "requests preempted, seconds requests waited in its queue, summed, engine steps) and "
         "the compiles its log reported during the run (each one stalls the step it runs in), the "
-        "files the JIT caches (vLLM's torch.compile, Triton and DeepGEMM, TileLang, ours) gained during it (a compile the "
-        "log does not report: vLLM warns once per Triton kernel name), and the earlier attempts "
+        "compiled-kernel files the JIT caches (vLLM's: torch.compile, Triton, DeepGEMM; "
+        "TileLang's; ours) gained or rewrote during it (compiles the log does not report: vLLM "
+        "warns once per Triton kernel name, DeepGEMM not at all), and the earlier attempts "
         "discarded because something compiled during them.",
         "",
         "| impl | shape | conc | repeat | tok/s | TPOT p50 ms | TTFT p50 ms | duration s "

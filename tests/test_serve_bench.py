@@ -516,7 +516,9 @@ def test_compiles_the_server_logs_during_each_run(
         srv.shutdown()
     doc = json.loads(out.read_text())
     c1, c2 = doc["runs"]
-    assert c1["compiles"] == {"n": 0, "kinds": {}, "lines": [], "cache_files": {}}
+    assert c1["compiles"] == {
+        "n": 0, "kinds": {}, "lines": [], "cache_files": {}, "new_cache_files": []
+    }  # fmt: skip
     assert c2["compiles"]["n"] == 2 and c2["compiles"]["kinds"] == {"tilelang": 1, "cutedsl": 1}
     assert "mhc_pre_big_fuse" in c2["compiles"]["lines"][0]
     assert [
@@ -563,9 +565,13 @@ def test_a_run_that_compiled_is_run_again(
     seeds = [d["seed"] for d in c2["discarded"]] + [c2["seed"]]
     assert len(set(seeds + [c1["seed"]])) == len(seeds) + 1  # every attempt its own prompts
     new = {"triton": 1, "triton/k": 1}  # a file in the cache's folder, one in its subfolder k
+    assert sorted(c2["discarded"][0]["compiles"]["new_cache_files"]) == [
+        "triton/c2_0",
+        "triton/k/kernel2_0.cubin",
+    ]
     if times == 1:
         assert [d["compiles"]["cache_files"] for d in c2["discarded"]] == [new]
-        assert c2["compiles"]["cache_files"] == {}
+        assert c2["compiles"]["cache_files"] == {} and c2["compiles"]["new_cache_files"] == []
     else:  # compiled in all three attempts: the last one is kept, and says so
         assert len(c2["discarded"]) == 2 and c2["compiles"]["cache_files"] == new
         assert serve_bench.compiled(c2)
@@ -599,11 +605,16 @@ def test_default_caches_follow_the_environment(
         "vllm": "v", "triton": "t", "tilelang": "l", "cutedsl": "c", "deepgemm": "g"
     }  # fmt: skip
     (tmp_path / "t" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "t" / "old.json").write_text("x")
+    before = serve_bench.cache_snapshot(got)
     (tmp_path / "t" / "a" / "b" / "k.cubin").write_text("x")
     (tmp_path / "t" / "k.json").write_text("x")
-    n = serve_bench.cache_files(got)
-    assert n == {"vllm": 0, "triton": 1, "triton/a": 1, "tilelang": 0, "cutedsl": 0, "deepgemm": 0}
-    assert serve_bench.cache_growth({"triton": 1, "vllm": 5}, n) == {"triton/a": 1}
+    (tmp_path / "t" / "a" / "k.lock").write_text("x")  # a lock is not a compiled kernel
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "kernel.so").write_text("x")
+    counts, paths = serve_bench.cache_changes(before, serve_bench.cache_snapshot(got))
+    assert counts == {"triton/a": 1, "triton": 1, "deepgemm": 1}
+    assert sorted(paths) == ["deepgemm/kernel.so", "triton/a/b/k.cubin", "triton/k.json"]
 
 
 def test_server_counters_over_a_run() -> None:
