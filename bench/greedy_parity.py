@@ -196,7 +196,7 @@ def cmd_offline(a: argparse.Namespace) -> int:
             o = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0].outputs[0]
             offline.append(list(o.token_ids))
             gaps.append(
-                [top2_gap({k: v.logprob for k, v in t.items()}) for t in (o.logprobs or [])]
+                [top2_gap({k: v.logprob for k, v in (t or {}).items()}) for t in (o.logprobs or [])]
             )
         passes.append((offline, gaps))
     (offline, gaps), (again, _) = passes
