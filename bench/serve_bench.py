@@ -59,10 +59,10 @@ across resumed invocations. --warmup-per-concurrency: instead, before the first 
 (shape, concurrency) point, one wave of `concurrency` such requests, so that every prefill token
 count the measured runs batch (concurrency x prompt length, up to the server's chunk) has been
 seen once (first-use compiles belong to the start-up benchmark, not to a steady-state point).
---watch-cache KIND=DIR (repeatable; default: vLLM's cache folder, which holds torch.compile's,
-DeepGEMM's and, once torch.compile has run, Triton's, and Triton's, TileLang's and our kernel
-cache, where their environment variables or defaults put them): the files each cache gains during
-a run are that run's compiles too. The log alone undercounts: vLLM 0.21.0 warns once per Triton
+--watch-cache KIND=DIR (repeatable; default: vLLM's cache folder, which holds torch.compile's and
+DeepGEMM's caches and, once torch.compile has run, Triton's; Triton's own folder; TileLang's; ours;
+each where its environment variable or default puts it): the compiled-kernel files a cache gains
+or rewrites during a run are that run's compiles too. The log alone undercounts: vLLM 0.21.0 warns once per Triton
 kernel name (`logger.warning_once` in vllm/triton_utils/jit_monitor.py), and a kernel
 recompiled for a new specialization of its integer arguments (Triton specializes on divisibility
 by 16) compiles silently. --retry-on-compile N: a run during which anything compiled is run again
@@ -585,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-log", default=None,
                     help="the server's log: each run and warm-up records the compiles it reports")  # fmt: skip
     ap.add_argument("--watch-cache", action="append", default=None, metavar="KIND=DIR",
-                    help="a JIT cache whose new files count as compiles (default: the four known)")  # fmt: skip
+                    help="a JIT cache whose new kernel files count as compiles (default: vLLM's, Triton's, TileLang's, ours)")  # fmt: skip
     ap.add_argument("--retry-on-compile", type=int, default=0, metavar="N",
                     help="run a point again, up to N times, when something compiled during it")  # fmt: skip
     ap.add_argument("--python", default=sys.executable, help=argparse.SUPPRESS)
