@@ -213,7 +213,7 @@ def cmd_offline(a: argparse.Namespace) -> int:
         # vLLM keys its torch.compile cache on these (vllm/envs.py compile_factors): with the
         # server's, the offline engine runs the graph the server compiled
         "vllm_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")},
-        **res, "offline_outputs": offline, "offline_top2_gaps": gaps,
+        **res, "offline_outputs": offline, "offline_top2_gaps": gaps, "offline_outputs_again": again,
         "server_self_equal": srv.get("self_equal"), "offline_self_equal": self_equal(offline, again),
         "load_between_offline_passes": load,
         "server_equal_offline_after_load": self_equal(outputs, again),
@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.prompts < 1 or a.prompt_len < 1 or a.max_tokens < 1:
             ap.error("--prompts, --prompt-len and --max-tokens must be >= 1")
         return cmd_server(a)
+    if a.load_prompts < 0 or a.load_len < 1:
+        ap.error("--load-prompts must be >= 0 and --load-len >= 1")
     a.flags = a.flags[1:] if a.flags[:1] == ["--"] else a.flags
     return cmd_offline(a)
 

@@ -243,6 +243,8 @@ def test_offline_counts_a_pass_that_does_not_repeat_itself(tmp_path: Path, monke
     doc = json.loads(out.read_text())
     assert rc == 0 and doc["equal"] == 2  # the first pass is the one compared
     assert doc["offline_self_equal"] == 1 and doc["server_self_equal"] is None
+    assert doc["offline_outputs_again"][0] == doc["offline_outputs"][0]
+    assert doc["offline_outputs_again"][1] != doc["offline_outputs"][1]
     assert doc["server_equal_offline_after_load"] == 1
 
 
