@@ -257,10 +257,9 @@ greedy_offline() {  # greedy_offline ours|upstream: the same prompts through LLM
     [ "$t" -ge "${GREEDY_MIN_S:-240}" ] || { note "greedy parity $n: not started ($t s left)"; return 1; }
     stop_flash ours upstream
     if [ "$n" = ours ]; then env=("${OURS[@]}"); else env=("${UPSTREAM[@]}"); fi
-    # the servers' environment (start_flash): vLLM keys its torch.compile cache on its VLLM_*
-    # variables (vllm/envs.py compile_factors), so with the same ones LLM.generate loads the graph
-    # the server compiled instead of compiling (and autotuning) its own
-    local -x VLLM_CUSTOM_SCOPES_FOR_PROFILING=1
+    # the servers' environment (env.sh FLASH_ENV): with it LLM.generate loads the graph the
+    # server compiled instead of compiling (and autotuning) its own
+    local -x "${FLASH_ENV[@]}"
     step "greedy_parity_$n" "$t" "${env[@]}" "$PYTHON" "$REPO/bench/greedy_parity.py" offline \
         --server "$STATE/greedy_server_$n.json" --out "$STATE/greedy_parity_$n.json" -- \
         "$(flash_ckpt "$n")" "${DSV4_ENGINE_FLAGS[@]}" "${DSV4_CKPT_FLAGS[@]}" "${FLASH_ARGS[@]}"
