@@ -54,8 +54,10 @@ PROC = Path("/proc")
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 THREAD_MIN_PCT = 1.0  # threads below this share of one core are summed per process only
 FOREIGN_TOP = 8
-PY_SPY_TOP = 15
+PY_SPY_TOP = 40  # rows kept per table in the JSON (the Markdown shows fewer)
+PY_SPY_MD_TOP = 25
 _RAW_LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
+_LINE_NO = re.compile(r":\d+\)$")
 
 
 # --------------------------------------------------------------------------- /proc
@@ -182,9 +184,17 @@ def measure_cpu(pgid: int, window_s: float) -> dict:
 # --------------------------------------------------------------------------- py-spy
 
 
+def function_of(frame: str) -> str:
+    """A py-spy frame without its line number: `f (file.py:12)` -> `f (file.py)`."""
+    return _LINE_NO.sub(")", frame)
+
+
 def parse_raw(text: str, top: int = PY_SPY_TOP) -> list[dict]:
     """py-spy's raw output with --threads (`thread (TID): NAME;frame;frame... COUNT` per line)
-    -> per thread: samples, and the `top` functions by inclusive and by self share."""
+    -> per thread: samples, and the `top` frames by inclusive and by self share, per source line
+    (`inclusive`, `self`) and per function, all its lines summed (`inclusive_by_function`,
+    `self_by_function`: where a function's time is spread over many lines, as in a metadata
+    builder, only these show its share)."""
     per: dict[str, dict] = {}
     for line in text.splitlines():
         m = _RAW_LINE.match(line.strip())
@@ -192,20 +202,28 @@ def parse_raw(text: str, top: int = PY_SPY_TOP) -> list[dict]:
             continue
         frames = m["stack"].split(";")
         n = int(m["count"])
-        t = per.setdefault(frames[0], {"samples": 0, "inc": Counter(), "self": Counter()})
+        t = per.setdefault(frames[0], {"samples": 0, "inc": Counter(), "self": Counter(),
+                                       "inc_fn": Counter(), "self_fn": Counter()})  # fmt: skip
         t["samples"] += n
         stack = frames[1:]
         for f in set(stack):  # a recursive function counts once per sample
             t["inc"][f] += n
+        for f in {function_of(f) for f in stack}:
+            t["inc_fn"][f] += n
         if stack:
             t["self"][stack[-1]] += n
+            t["self_fn"][function_of(stack[-1])] += n
     out = []
     for name, t in sorted(per.items(), key=lambda kv: -kv[1]["samples"]):
         s = max(t["samples"], 1)
+
+        def rows(c: Counter, s: int = s) -> list[dict]:
+            return [{"function": f, "pct": round(100.0 * n / s, 1)} for f, n in c.most_common(top)]
+
         out.append({
             "thread": name, "samples": t["samples"],
-            "inclusive": [{"function": f, "pct": round(100.0 * c / s, 1)} for f, c in t["inc"].most_common(top)],
-            "self": [{"function": f, "pct": round(100.0 * c / s, 1)} for f, c in t["self"].most_common(top)],
+            "inclusive": rows(t["inc"]), "self": rows(t["self"]),
+            "inclusive_by_function": rows(t["inc_fn"]), "self_by_function": rows(t["self_fn"]),
         })  # fmt: skip
     return out
 
@@ -326,15 +344,25 @@ def markdown(res: dict) -> str:
         if r["error"]:
             lines += [f"Error: {r['error']}", ""]
         for t in r["threads"][:4]:
-            lines += [f"### {t['thread']}: {t['samples']} samples", "",
-                      "| inclusive % | function | self % | function |", "|---:|---|---:|---|"]  # fmt: skip
-            for i in range(max(len(t["inclusive"]), len(t["self"]))):
-                inc = t["inclusive"][i] if i < len(t["inclusive"]) else {"pct": "", "function": ""}
-                slf = t["self"][i] if i < len(t["self"]) else {"pct": "", "function": ""}
-                lines.append(
-                    f"| {inc['pct']} | `{inc['function']}` | {slf['pct']} | `{slf['function']}` |"
-                )
-            lines.append("")
+            lines += [f"### {t['thread']}: {t['samples']} samples", ""]
+            for title, inc_key, self_key in (
+                ("per function (all its lines)", "inclusive_by_function", "self_by_function"),
+                ("per source line", "inclusive", "self"),
+            ):
+                inc_rows = t.get(inc_key, [])[:PY_SPY_MD_TOP]
+                self_rows = t.get(self_key, [])[:PY_SPY_MD_TOP]
+                if not inc_rows and not self_rows:
+                    continue
+                lines += [f"{title}:", "", "| inclusive % | function | self % | function |",
+                          "|---:|---|---:|---|"]  # fmt: skip
+                blank = {"pct": "", "function": ""}
+                for i in range(max(len(inc_rows), len(self_rows))):
+                    inc = inc_rows[i] if i < len(inc_rows) else blank
+                    slf = self_rows[i] if i < len(self_rows) else blank
+                    lines.append(
+                        f"| {inc['pct']} | `{inc['function']}` | {slf['pct']} | `{slf['function']}` |"
+                    )
+                lines.append("")
     if res["errors"]:
         lines += ["", "## Errors", ""] + [f"- {e}" for e in res["errors"]]
     return "\n".join(lines) + "\n"

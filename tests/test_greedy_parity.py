@@ -248,6 +248,56 @@ def test_offline_counts_a_pass_that_does_not_repeat_itself(tmp_path: Path, monke
     assert doc["server_equal_offline_after_load"] == 1
 
 
+def test_offline_compares_with_another_offline_process(tmp_path: Path, monkeypatch, capsys) -> None:
+    """--other-offline: a second process's first pass against the first process's, prompt by
+    prompt with both gaps at the first difference; a file from other prompts is refused before
+    any engine is built."""
+    prompts = gp.make_prompts(3, 8, 2)
+    server = tmp_path / "s.json"
+    server.write_text(json.dumps({"prompts": prompts, "max_tokens": 6, "command": "x",
+                                  "outputs": [_continuation(p, 6) for p in prompts]}))  # fmt: skip
+    process = [0]
+
+    class FakeLLM:
+        @classmethod
+        def from_engine_args(cls, ea):
+            process[0] += 1
+            return cls()
+
+        def generate(self, batch, sp, use_tqdm=False):
+            ids = _continuation(batch[0]["prompt_token_ids"], sp["max_tokens"])
+            if process[0] == 2 and batch[0]["prompt_token_ids"] == prompts[2]:
+                ids[3] += 1  # the second process parts from the first at prompt 2, token 3
+            lps = [{7: types.SimpleNamespace(logprob=-0.5), 9: types.SimpleNamespace(logprob=-0.75)}
+                   for _ in ids]  # fmt: skip
+            return [
+                types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, logprobs=lps)])
+            ]
+
+    _fake_vllm(monkeypatch, FakeLLM, lambda flags: (types.SimpleNamespace(), []))
+    first, second = tmp_path / "p1.json", tmp_path / "p2.json"
+    base = ["offline", "--server", str(server), "--load-prompts", "0"]
+    assert gp.main([*base, "--out", str(first), "--", "ckpt"]) == 0
+    assert json.loads(first.read_text())["other_offline"] is None
+    rc = gp.main([*base, "--out", str(second), "--other-offline", str(first), "--", "ckpt"])
+    doc = json.loads(second.read_text())
+    assert rc == 1 and doc["equal"] == 2  # the server's outputs are the first process's
+    other = doc["other_offline"]
+    assert other["file"] == str(first) and (other["equal"], other["differ"]) == (2, 1)
+    assert [r["first_diff"] for r in other["rows"]] == [None, None, 3]
+    assert other["rows"][2]["other_gap_at_diff"] == 0.25
+    assert other["rows"][2]["offline_gap_at_diff"] == 0.25
+    assert "equal to the other offline process: 2/3" in capsys.readouterr().out
+
+    elsewhere = tmp_path / "s2.json"
+    elsewhere.write_text(server.read_text())
+    bad = tmp_path / "p3.json"
+    rc = gp.main(["offline", "--server", str(elsewhere), "--out", str(bad),
+                  "--other-offline", str(first), "--", "ckpt"])  # fmt: skip
+    assert rc == 2 and not bad.exists() and process[0] == 2
+    assert "not a run on" in capsys.readouterr().err
+
+
 def test_offline_refuses_a_missing_server_file(tmp_path: Path, capsys) -> None:
     rc = gp.main(["offline", "--server", str(tmp_path / "none.json"), "--out", str(tmp_path / "p.json"),
                   "--", "ckpt"])  # fmt: skip

@@ -101,6 +101,32 @@ def test_parse_raw() -> None:
     assert sum(r["pct"] for r in main["self"]) == 100.0
 
 
+def test_parse_raw_by_function() -> None:
+    """A function whose time is spread over its lines is one row per function, each sample
+    counted once per function however many of its lines are on the stack."""
+    raw = "\n".join([
+        "thread (11): Main;step (core.py:10);build (meta.py:3) 30",
+        "thread (11): Main;step (core.py:10);build (meta.py:4) 25",
+        "thread (11): Main;step (core.py:12);build (meta.py:5);build (meta.py:9) 5",
+        "thread (11): Main;step (core.py:12);copy (utils.py:7) 40",
+    ])  # fmt: skip
+    main = hp.parse_raw(raw)[0]
+    assert main["samples"] == 100
+    assert max(r["pct"] for r in main["self"]) == 40.0  # per line, copy leads
+    inc = {r["function"]: r["pct"] for r in main["inclusive_by_function"]}
+    assert inc == {"step (core.py)": 100.0, "build (meta.py)": 60.0, "copy (utils.py)": 40.0}
+    assert main["self_by_function"][0] == {"function": "build (meta.py)", "pct": 60.0}
+    assert hp.function_of("f (a/b.py:12)") == "f (a/b.py)"
+    assert hp.function_of("<module> (<string>:1)") == "<module> (<string>)"
+    md = hp.markdown({
+        "label": "x", "command": "c", "date": "d", "errors": [],
+        "workload": {"concurrency": 1, "tok_per_s": 1.0, "window_s": 1.0, "step_ms": 1.0},
+        "host": {"cpus": 1, "busy_pct": 1.0}, "processes": [], "threads": [], "foreign": [],
+        "py_spy": {"11": {"samples": 100, "errors": 0, "error": None, "threads": [main]}},
+    })  # fmt: skip
+    assert "per function (all its lines)" in md and "| 60.0 | `build (meta.py)` |" in md
+
+
 def _fake_py_spy(tmp_path: Path, fail: bool = False) -> Path:
     """Writes one raw stack for the pid it is given; logs its arguments."""
     p = tmp_path / "py-spy"

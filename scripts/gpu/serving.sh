@@ -16,19 +16,22 @@
 #      wait until healthy and until the DeepGEMM prewarm has finished (no measurement runs beside
 #      it), then
 #      a. `vllm bench serve` (bench/serve_bench.py --in-process, one dataset seed per run) on every
-#         SHAPES x CONCS point, repeat 0, each point's first run after one warm-up wave at its
-#         concurrency (its prefill token counts seen once: first-use stalls are startup.sh's),
-#         a run during which anything compiled run again (RETRY_ON_COMPILE times at most);
+#         SHAPES x CONCS point, REPEATS times (default 2), each point's first run after one warm-up
+#         wave at its concurrency (its prefill token counts seen once: first-use stalls are
+#         startup.sh's), a run during which anything compiled run again (RETRY_ON_COMPILE times
+#         at most); all of them before any profiler has attached to the server;
 #      b. per concurrency in PROFILE_CONCS, its decode profile (bench/profile_server.py, PROFILE_S s,
 #         1024-token prompts); per concurrency in HOST_CONCS, its host profile with no profiler
 #         attached (bench/host_profile.py: step time, CPU per server thread, foreign load, and
 #         py-spy stacks of the busiest server processes when PYSPY names a py-spy binary);
-#      c. the further repeats (REPEATS, default 2); then the server is stopped;
+#      c. its greedy outputs (step 4); then the server is stopped;
 #   3. the copy bandwidth, then bench/serving.py report: serving.json/.md/.png;
 #   4. for each server GREEDY names (default "ours upstream"; 0: none), its greedy outputs on
 #      bench/greedy_parity.py's prompts, taken through the server after its profiles, then, the
 #      servers stopped, through LLM.generate built from the same flags (GREEDY_MIN_S, default 240:
-#      the seconds one needs): greedy_server_NAME.json, greedy_parity_NAME.json.
+#      the seconds one needs): greedy_server_NAME.json, greedy_parity_NAME.json; GREEDY_PROCS=2
+#      runs LLM.generate in a second fresh process too, compared with the first
+#      (greedy_parity_NAME_2.json).
 # Checkpoints go to CKPT_DIR (default $RUN_DIR/checkpoints, outside the checkout: a checkout
 # carried to the GPU machine is replaced on every call; /dev/shm/cutedsl-checkpoints when the disk
 # lacks the room and memory has it; when neither holds both, upstream's goes to /dev/shm,
@@ -246,25 +249,31 @@ greedy_server() {  # greedy_server ours|upstream, while it serves: its greedy ou
         --base-url "http://127.0.0.1:$(flash_port "$1")" --model flash --out "$STATE/greedy_server_$1.json"
 }
 greedy_offline() {  # greedy_offline ours|upstream: the same prompts through LLM.generate (GPU to itself)
-    local n=$1 t env
+    local n=$1 t env k out other
     greedy_on "$n" || return 0
-    [ -f "$STATE/greedy_parity_$n.json" ] && return 0
     if [ ! -f "$STATE/greedy_server_$n.json" ]; then
         note "greedy parity $n: not run (no server outputs: see greedy_server_$n.log)"
         return 0
     fi
-    t=$(( $(left) - 20 ))
-    [ "$t" -ge "${GREEDY_MIN_S:-240}" ] || { note "greedy parity $n: not started ($t s left)"; return 1; }
-    stop_flash ours upstream
     if [ "$n" = ours ]; then env=("${OURS[@]}"); else env=("${UPSTREAM[@]}"); fi
     # the servers' environment (env.sh FLASH_ENV): with it LLM.generate loads the graph the
     # server compiled instead of compiling (and autotuning) its own
     local -x "${FLASH_ENV[@]}"
-    step "greedy_parity_$n" "$t" "${env[@]}" "$PYTHON" "$REPO/bench/greedy_parity.py" offline \
-        --server "$STATE/greedy_server_$n.json" --out "$STATE/greedy_parity_$n.json" -- \
-        "$(flash_ckpt "$n")" "${DSV4_ENGINE_FLAGS[@]}" "${DSV4_CKPT_FLAGS[@]}" "${FLASH_ARGS[@]}"
-    tail -n 1 "$R/greedy_parity_$n.log" | tee -a "$OUT/summary.txt"
-    [ -f "$STATE/greedy_parity_$n.json" ]
+    # GREEDY_PROCS (default 1) fresh processes, each after the last: from the second on, each also
+    # compared with the first (two processes that differ point at the process, not the server)
+    for k in $(seq 1 "${GREEDY_PROCS:-1}"); do
+        out=$STATE/greedy_parity_$n.json other=()
+        [ "$k" -gt 1 ] && out=$STATE/greedy_parity_${n}_$k.json other=(--other-offline "$STATE/greedy_parity_$n.json")
+        [ -f "$out" ] && continue
+        t=$(( $(left) - 20 ))
+        [ "$t" -ge "${GREEDY_MIN_S:-240}" ] || { note "greedy parity $n ($k): not started ($t s left)"; return 1; }
+        stop_flash ours upstream
+        step "$(basename "$out" .json)" "$t" "${env[@]}" "$PYTHON" "$REPO/bench/greedy_parity.py" offline \
+            --server "$STATE/greedy_server_$n.json" --out "$out" "${other[@]}" -- \
+            "$(flash_ckpt "$n")" "${DSV4_ENGINE_FLAGS[@]}" "${DSV4_CKPT_FLAGS[@]}" "${FLASH_ARGS[@]}"
+        tail -n 1 "$R/$(basename "$out" .json).log" | tee -a "$OUT/summary.txt"
+        [ -f "$out" ] || return 1
+    done
 }
 
 device_info
@@ -326,11 +335,12 @@ for n in $ORDER; do
     # processes take the CPU cores a server's host-bound decode steps need
     running "$STATE/deepgemm.pid" && wait_deepgemm  # (upstream waited for it before it started)
     if running "$STATE/deepgemm.pid"; then note "DeepGEMM prewarm still running: call again"; finish; exit 1; fi
-    bench_done "$n" 1 || bench_pass "$n" 1
+    # every measured run before a profiler (torch's, py-spy) has attached to this server
+    bench_done "$n" "$REPEATS" || bench_pass "$n" "$REPEATS"
+    bench_done "$n" "$REPEATS" || { note "$n: not done yet: call again"; finish; exit 1; }
     for c in $PROFILE_CONCS; do profile "$n" "$c"; done
     for c in $HOST_CONCS; do host_profile "$n" "$c"; done
     greedy_server "$n"
-    bench_done "$n" "$REPEATS" || bench_pass "$n" "$REPEATS"
     impl_done "$n" || { note "$n: not done yet: call again"; finish; exit 1; }
     if [ "$ONE_AT_A_TIME" = 1 ]; then stop_flash "$n"; note "$n: done, server stopped"; fi
 done
