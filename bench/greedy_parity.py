@@ -4,7 +4,7 @@
     python bench/greedy_parity.py server --base-url http://127.0.0.1:8001 --model flash \
         [--prompts 8] [--prompt-len 256] [--max-tokens 64] [--seed 0] --out server.json
     python bench/greedy_parity.py offline --server server.json --out parity.json \
-        [--other-offline parity_1.json] -- CKPT [the server's `vllm serve` flags...]
+        [--compare NAME=JSON ...] -- CKPT [the server's `vllm serve` flags...]
 
 `server`: PROMPTS prompts of PROMPT_LEN random token ids (seeded), sent one at a time (the server
 runs each alone: batch 1, as `offline` does), greedy, `ignore_eos`, MAX_TOKENS new tokens each,
@@ -20,9 +20,10 @@ itself, after the load as the server ran them?); then, per prompt, whether the s
 first offline token lists are equal, the first position where they differ and, there, the gap between the two most
 likely tokens' logprobs on each side (a gap near 0 is a near tie that a last-bit difference in the
 logits flips; a large gap is a different computation). Needs the GPU the server had (stop the
-server first). With `--other-offline F` (the JSON of an earlier `offline` run: another process,
-the same prompts), also whether this process's first pass equals that one's (`other_offline`:
-differences between two fresh processes are the process's doing, not the server's). Writes the
+server first). Each `--compare NAME=JSON` (repeatable) also compares this process's first pass
+with another run on the same prompts, under NAME in `compared`: a `server` JSON (e.g. taken from
+a server that had served nothing yet) or an earlier `offline` JSON (another fresh process: two
+processes that differ point at the process, not at the server). Writes the
 command, date, device, versions, every prompt's result, whether each side repeated itself, and the
 verdict; exits 0 when every prompt agrees, 1 when one does not, 2 on bad input.
 """
@@ -171,20 +172,26 @@ def cmd_offline(a: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as e:
         print(f"greedy_parity: {a.server}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    other = None
-    if a.other_offline:
+    others: dict[str, tuple[str, list[list[int]], list | None]] = {}
+    for spec in a.compare:
+        name, sep, path = spec.partition("=")
         try:
-            with open(a.other_offline) as f:
-                other = json.load(f)
-            other_outputs, other_gaps = other["offline_outputs"], other.get("offline_top2_gaps")
+            if not (sep and name and path) or name in others:
+                raise ValueError(f"--compare {spec!r}: want a new NAME=JSON")
+            with open(path) as f:
+                doc = json.load(f)
+            if "offline_outputs" in doc:  # an earlier offline run: its first pass
+                outs, gaps_o = doc["offline_outputs"], doc.get("offline_top2_gaps")
+            else:  # a server run
+                outs, gaps_o = doc["outputs"], doc.get("top2_gaps")
+                if doc.get("prompts") != prompts:
+                    raise ValueError(f"its prompts are not {a.server}'s")
+            if len(outs) != len(prompts):
+                raise ValueError(f"{len(outs)} outputs for {len(prompts)} prompts")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            print(f"greedy_parity: {a.other_offline}: {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"greedy_parity: --compare {spec}: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
-        if other.get("server_json") != a.server or len(other_outputs) != len(prompts):
-            print(f"greedy_parity: {a.other_offline}: not a run on {a.server}'s prompts "
-                  f"(its server JSON: {other.get('server_json')!r}, {len(other_outputs)} outputs)",
-                  file=sys.stderr)  # fmt: skip
-            return 2
+        others[name] = (path, outs, gaps_o)
     try:
         ea, ignored = engine_args(a.flags)
     except ValueError as e:
@@ -218,12 +225,11 @@ def cmd_offline(a: argparse.Namespace) -> int:
     (offline, gaps), (again, _) = passes
     res = compare(outputs, offline, srv.get("top2_gaps"), gaps)
     n = len(prompts)
-    other_doc = None
-    if other is not None:
-        o = compare(other_outputs, offline, other_gaps, gaps)
-        other_doc = {"file": a.other_offline, "equal": o["equal"], "differ": o["differ"],
-                     "rows": [{k.replace("server_", "other_"): v for k, v in r.items()}
-                              for r in o["rows"]]}  # fmt: skip
+    compared = {}
+    for name, (path, outs, gaps_o) in others.items():
+        c = compare(outs, offline, gaps_o, gaps)
+        rows = [{k.replace("server_", "other_"): v for k, v in r.items()} for r in c["rows"]]
+        compared[name] = {"file": path, "equal": c["equal"], "differ": c["differ"], "rows": rows}
     doc = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -239,7 +245,7 @@ def cmd_offline(a: argparse.Namespace) -> int:
         "server_self_equal": srv.get("self_equal"), "offline_self_equal": self_equal(offline, again),
         "load_between_offline_passes": load,
         "server_equal_offline_after_load": self_equal(outputs, again),
-        "other_offline": other_doc,
+        "compared": compared,
         "verdict": "pass" if res["differ"] == 0 else "fail",
     }  # fmt: skip
     _write(a.out, doc)
@@ -252,7 +258,7 @@ def cmd_offline(a: argparse.Namespace) -> int:
           f"{doc['offline_self_equal']}/{n}; server vs offline after the load "
           f"{doc['server_equal_offline_after_load']}/{n}"
           + (f"; first differences (position, server gap, offline gap): {at}" if diffs else "")
-          + (f"; equal to the other offline process: {other_doc['equal']}/{n}" if other_doc else "")
+          + "".join(f"; equal to {k}: {v['equal']}/{n}" for k, v in compared.items())
           + f" -> {a.out}")  # fmt: skip
     return 0 if res["differ"] == 0 else 1
 
@@ -277,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--load-prompts", type=int, default=64,
                    help="prompts of the load between the two offline passes (0: none)")  # fmt: skip
     o.add_argument("--load-len", type=int, default=1024, help="their length in tokens")
-    o.add_argument("--other-offline", metavar="JSON",
-                   help="an earlier `offline` run's JSON (another process): compare with it too")  # fmt: skip
+    o.add_argument("--compare", action="append", default=[], metavar="NAME=JSON",
+                   help="another run on the same prompts (a server or an offline JSON) to compare "
+                        "this process's first pass with (repeatable)")  # fmt: skip
     o.add_argument(
         "flags", nargs=argparse.REMAINDER, help="-- CKPT [the server's vllm serve flags]"
     )

@@ -248,14 +248,20 @@ def test_offline_counts_a_pass_that_does_not_repeat_itself(tmp_path: Path, monke
     assert doc["server_equal_offline_after_load"] == 1
 
 
-def test_offline_compares_with_another_offline_process(tmp_path: Path, monkeypatch, capsys) -> None:
-    """--other-offline: a second process's first pass against the first process's, prompt by
-    prompt with both gaps at the first difference; a file from other prompts is refused before
-    any engine is built."""
+def test_offline_compares_with_other_runs(tmp_path: Path, monkeypatch, capsys) -> None:
+    """--compare NAME=JSON: this process's first pass against another offline process's first
+    pass and against another server run, prompt by prompt with both gaps at the first
+    difference; a file from other prompts, a repeated name or a bad spec is refused before any
+    engine is built."""
     prompts = gp.make_prompts(3, 8, 2)
     server = tmp_path / "s.json"
     server.write_text(json.dumps({"prompts": prompts, "max_tokens": 6, "command": "x",
                                   "outputs": [_continuation(p, 6) for p in prompts]}))  # fmt: skip
+    fresh = tmp_path / "fresh.json"  # a server run that parts from the others at prompt 0, token 1
+    outs = [_continuation(p, 6) for p in prompts]
+    outs[0][1] += 1
+    fresh.write_text(json.dumps({"prompts": prompts, "outputs": outs,
+                                 "top2_gaps": [[0.5] * 6 for _ in prompts]}))  # fmt: skip
     process = [0]
 
     class FakeLLM:
@@ -278,24 +284,34 @@ def test_offline_compares_with_another_offline_process(tmp_path: Path, monkeypat
     first, second = tmp_path / "p1.json", tmp_path / "p2.json"
     base = ["offline", "--server", str(server), "--load-prompts", "0"]
     assert gp.main([*base, "--out", str(first), "--", "ckpt"]) == 0
-    assert json.loads(first.read_text())["other_offline"] is None
-    rc = gp.main([*base, "--out", str(second), "--other-offline", str(first), "--", "ckpt"])
+    assert json.loads(first.read_text())["compared"] == {}
+    rc = gp.main([*base, "--out", str(second), "--compare", f"offline_1={first}",
+                  "--compare", f"server_fresh={fresh}", "--", "ckpt"])  # fmt: skip
     doc = json.loads(second.read_text())
     assert rc == 1 and doc["equal"] == 2  # the server's outputs are the first process's
-    other = doc["other_offline"]
+    other = doc["compared"]["offline_1"]
     assert other["file"] == str(first) and (other["equal"], other["differ"]) == (2, 1)
     assert [r["first_diff"] for r in other["rows"]] == [None, None, 3]
     assert other["rows"][2]["other_gap_at_diff"] == 0.25
     assert other["rows"][2]["offline_gap_at_diff"] == 0.25
-    assert "equal to the other offline process: 2/3" in capsys.readouterr().out
+    srv = doc["compared"]["server_fresh"]
+    assert (srv["equal"], srv["differ"]) == (1, 2)
+    assert [r["first_diff"] for r in srv["rows"]] == [1, None, 3]
+    assert srv["rows"][0]["other_gap_at_diff"] == 0.5
+    out = capsys.readouterr().out
+    assert "equal to offline_1: 2/3" in out and "equal to server_fresh: 1/3" in out
 
-    elsewhere = tmp_path / "s2.json"
-    elsewhere.write_text(server.read_text())
+    elsewhere = tmp_path / "other_prompts.json"
+    elsewhere.write_text(json.dumps({"prompts": prompts[:2] + [prompts[0]], "outputs": outs}))
     bad = tmp_path / "p3.json"
-    rc = gp.main(["offline", "--server", str(elsewhere), "--out", str(bad),
-                  "--other-offline", str(first), "--", "ckpt"])  # fmt: skip
-    assert rc == 2 and not bad.exists() and process[0] == 2
-    assert "not a run on" in capsys.readouterr().err
+    for spec, why in ((f"x={elsewhere}", "prompts are not"), (str(first), "want a new NAME=JSON"),
+                      (f"x={tmp_path / 'missing.json'}", "FileNotFoundError")):  # fmt: skip
+        rc = gp.main([*base, "--out", str(bad), "--compare", spec, "--", "ckpt"])
+        assert rc == 2 and not bad.exists() and process[0] == 2
+        assert why in capsys.readouterr().err
+    rc = gp.main([*base, "--out", str(bad), "--compare", f"a={first}", "--compare", f"a={fresh}",
+                  "--", "ckpt"])  # fmt: skip
+    assert rc == 2 and not bad.exists() and "want a new NAME=JSON" in capsys.readouterr().err
 
 
 def test_offline_refuses_a_missing_server_file(tmp_path: Path, capsys) -> None:

@@ -27,9 +27,10 @@
 #      c. its greedy outputs (step 4); then the server is stopped;
 #   3. the copy bandwidth, then bench/serving.py report: serving.json/.md/.png;
 #   4. for each server GREEDY names (default "ours upstream"; 0: none), its greedy outputs on
-#      bench/greedy_parity.py's prompts, taken through the server after its profiles, then, the
-#      servers stopped, through LLM.generate built from the same flags (GREEDY_MIN_S, default 240:
-#      the seconds one needs): greedy_server_NAME.json, greedy_parity_NAME.json; GREEDY_PROCS=2
+#      bench/greedy_parity.py's prompts, taken through the server once before its benchmark
+#      (greedy_server_NAME_fresh.json) and once after its profiles (greedy_server_NAME.json), then,
+#      the servers stopped, through LLM.generate built from the same flags (GREEDY_MIN_S, default
+#      240: the seconds one needs), compared with both: greedy_parity_NAME.json; GREEDY_PROCS=2
 #      runs LLM.generate in a second fresh process too, compared with the first
 #      (greedy_parity_NAME_2.json).
 # Checkpoints go to CKPT_DIR (default $RUN_DIR/checkpoints, outside the checkout: a checkout
@@ -243,13 +244,14 @@ host_profile() {  # host_profile ours|upstream C: where the server's CPU goes at
 }
 
 greedy_on() { [[ " $GREEDY " == *" $1 "* ]]; }  # greedy_on ours|upstream
-greedy_server() {  # greedy_server ours|upstream, while it serves: its greedy outputs on the parity prompts
-    greedy_on "$1" && [ ! -f "$STATE/greedy_server_$1.json" ] || return 0
-    step "greedy_server_$1" 120 "$PYTHON" "$REPO/bench/greedy_parity.py" server \
-        --base-url "http://127.0.0.1:$(flash_port "$1")" --model flash --out "$STATE/greedy_server_$1.json"
+greedy_server() {  # greedy_server ours|upstream [TAG], while it serves: its greedy outputs on the parity prompts
+    local f=greedy_server_$1${2:+_$2}
+    greedy_on "$1" && [ ! -f "$STATE/$f.json" ] || return 0
+    step "$f" 120 "$PYTHON" "$REPO/bench/greedy_parity.py" server \
+        --base-url "http://127.0.0.1:$(flash_port "$1")" --model flash --out "$STATE/$f.json"
 }
 greedy_offline() {  # greedy_offline ours|upstream: the same prompts through LLM.generate (GPU to itself)
-    local n=$1 t env k out other
+    local n=$1 t env k out cmp
     greedy_on "$n" || return 0
     if [ ! -f "$STATE/greedy_server_$n.json" ]; then
         note "greedy parity $n: not run (no server outputs: see greedy_server_$n.log)"
@@ -262,14 +264,16 @@ greedy_offline() {  # greedy_offline ours|upstream: the same prompts through LLM
     # GREEDY_PROCS (default 1) fresh processes, each after the last: from the second on, each also
     # compared with the first (two processes that differ point at the process, not the server)
     for k in $(seq 1 "${GREEDY_PROCS:-1}"); do
-        out=$STATE/greedy_parity_$n.json other=()
-        [ "$k" -gt 1 ] && out=$STATE/greedy_parity_${n}_$k.json other=(--other-offline "$STATE/greedy_parity_$n.json")
+        out=$STATE/greedy_parity_$n.json cmp=()
+        # the same prompts through the same server before it had served anything
+        [ -f "$STATE/greedy_server_${n}_fresh.json" ] && cmp+=(--compare "server_fresh=$STATE/greedy_server_${n}_fresh.json")
+        [ "$k" -gt 1 ] && out=$STATE/greedy_parity_${n}_$k.json cmp+=(--compare "offline_1=$STATE/greedy_parity_$n.json")
         [ -f "$out" ] && continue
         t=$(( $(left) - 20 ))
         [ "$t" -ge "${GREEDY_MIN_S:-240}" ] || { note "greedy parity $n ($k): not started ($t s left)"; return 1; }
         stop_flash ours upstream
         step "$(basename "$out" .json)" "$t" "${env[@]}" "$PYTHON" "$REPO/bench/greedy_parity.py" offline \
-            --server "$STATE/greedy_server_$n.json" --out "$out" "${other[@]}" -- \
+            --server "$STATE/greedy_server_$n.json" --out "$out" "${cmp[@]}" -- \
             "$(flash_ckpt "$n")" "${DSV4_ENGINE_FLAGS[@]}" "${DSV4_CKPT_FLAGS[@]}" "${FLASH_ARGS[@]}"
         tail -n 1 "$R/$(basename "$out" .json).log" | tee -a "$OUT/summary.txt"
         [ -f "$out" ] || return 1
@@ -335,6 +339,7 @@ for n in $ORDER; do
     # processes take the CPU cores a server's host-bound decode steps need
     running "$STATE/deepgemm.pid" && wait_deepgemm  # (upstream waited for it before it started)
     if running "$STATE/deepgemm.pid"; then note "DeepGEMM prewarm still running: call again"; finish; exit 1; fi
+    greedy_server "$n" fresh  # before the server has served anything
     # every measured run before a profiler (torch's, py-spy) has attached to this server
     bench_done "$n" "$REPEATS" || bench_pass "$n" "$REPEATS"
     bench_done "$n" "$REPEATS" || { note "$n: not done yet: call again"; finish; exit 1; }
