@@ -57,7 +57,7 @@ build:   ## the Docker image (FROM vllm/vllm-openai:v0.21.0, overlay applied at 
 
 run:   ## serve MODEL (a host directory) from the image on all GPUs (JIT caches kept in volumes)
 	docker run --rm --gpus all --ipc=host -p 8000:8000 -v dsv4-tilelang-cache:/root/.tilelang \
-		-v dsv4-vllm-cache:/root/.cache/vllm -v dsv4-cutedsl-cache:/root/.cache/cutedsl $(if $(MODEL),-v $(abspath $(MODEL)):/model:ro -e MODEL=/model) $(IMAGE)
+		-v dsv4-vllm-cache:/root/.cache/vllm -v dsv4-cutedsl-cache:/root/.cache/cutedsl -v dsv4-triton-cache:/root/.triton $(if $(MODEL),-v $(abspath $(MODEL)):/model:ro -e MODEL=/model) $(IMAGE)
 
 bench: setup   ## kernel benchmarks (GPU)
 	$(PY) -m cutedsl.bench

@@ -13,7 +13,9 @@ silently leave `torch.empty` memory; for models with our methods `checked_load` 
 ValueError naming every missing parameter (and, for routed experts, which it tracks per expert,
 every missing checkpoint tensor). FP8 / MXFP4 / BF16 models get only the note (upstream otherwise).
 Before the first tensor is read, models with our methods start compiling their kernels in the
-background (`cutedsl.vllm.prefetch`), so the compiles overlap the weight loading.
+background (`cutedsl.vllm.prefetch`), so the compiles overlap the weight loading; on a GPU, every
+DSv4 model also starts compiling vLLM's prefill-metadata Triton kernel for each batch shape its
+scheduler can produce (`cutedsl.vllm.metadata_warmup`), waited for once the weights are loaded.
 
 Hook at the start of `DeepseekV4ForCausalLM.__init__` (deepseek_v4.py), before any layer (and
 so any weight or buffer) is created:
@@ -37,7 +39,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
-from cutedsl.vllm import prefetch
+from cutedsl.vllm import metadata_warmup, prefetch
 from cutedsl.vllm.ct import ct_tensor, is_ct
 from cutedsl.vllm.linear_kernel import CuTeDSLNvFp4LinearMethod
 from cutedsl.vllm.moe_experts import CuTeDSLModelOptNvFp4FusedMoE
@@ -107,6 +109,23 @@ def _uses_ours(model: torch.nn.Module) -> bool:
     return any(isinstance(getattr(m, "quant_method", None), ours) for m in model.modules())
 
 
+def _start_metadata_warmup(model: torch.nn.Module) -> bool:
+    """Start compiling vLLM's prefill-metadata Triton kernel for this server's batches
+    (`cutedsl.vllm.metadata_warmup`) on a GPU; whether it started. Never raises."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from vllm.config import get_current_vllm_config
+
+        max_num_seqs = int(get_current_vllm_config().scheduler_config.max_num_seqs)
+        window = int(model.config.sliding_window)
+    except Exception as e:  # the kernel then compiles on first use, as upstream's does
+        logger.warning("cutedsl: no prefill-metadata warm-up (%s: %s)", type(e).__name__, e)
+        return False
+    metadata_warmup.start(max_num_seqs, window)
+    return True
+
+
 def checked_load(
     model: torch.nn.Module,
     loader: AutoWeightsLoader,
@@ -118,6 +137,7 @@ def checked_load(
     background processes, while the weights load."""
     if _uses_ours(model):
         prefetch.start(model)
+    warming = _start_metadata_warmup(model)
     ct = is_ct(getattr(getattr(model, "config", None), "quantization_config", None))
     tracked = _Tracked(weights, ct_tensor if ct else None)
     try:
@@ -130,6 +150,9 @@ def checked_load(
                 f"{str(t.dtype).removeprefix('torch.')})"
             )
         raise
+    finally:
+        if warming:
+            metadata_warmup.finish()
     if _uses_ours(model):
         missing = _missing(model, loaded, tracked.seen)
         if missing:
