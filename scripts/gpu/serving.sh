@@ -115,7 +115,22 @@ left() { echo $((BUDGET - SECONDS)); }
 note() { echo "$(date -u +%T) [${SECONDS}s] $*" | tee -a "$OUT/summary.txt"; }
 label_of() { case $1 in ours) echo cutedsl-nvfp4 ;; upstream) echo upstream-native ;; esac; }
 
+deepgemm_kernels() {  # DeepGEMM's compiled kernels: mtime, name and template arguments, one per line
+    "$PYTHON" - "${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/deep_gemm/cache" <<'PY'
+import os, re, sys, time
+root = sys.argv[1]
+for d in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+    cu = os.path.join(root, d, "kernel.cu")
+    if not os.path.isfile(cu):
+        continue
+    args = re.search(r"_impl<([^>]*)>", open(cu, errors="replace").read())
+    when = time.strftime("%H:%M:%S", time.gmtime(os.path.getmtime(cu)))
+    print(when, d, re.sub(r"\s+", "", args[1]) if args else "?")
+PY
+}
+
 finish() {
+    deepgemm_kernels >"$R/deepgemm_kernels.txt" 2>&1
     cp "$STATE"/serving.* "$STATE"/serve_*.json "$STATE"/profile_*.json "$STATE"/profile_*.md "$STATE"/host_*.* \
         "$STATE"/ckpt_bytes_*.txt "$STATE"/copy.json "$STATE"/gen_*.log "$STATE"/cpu_*.log "$STATE"/greedy_*.json "$R"/ 2>/dev/null
     cp "$RUN_DIR"/serve_flash_*.log "$R"/ 2>/dev/null
