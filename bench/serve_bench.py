@@ -30,8 +30,8 @@ run of the server's own counters from /metrics: preemptions, queue_s, engine_ste
 prefix_cache_hit_tokens; null when /metrics cannot be read), compiles (with --server-log: the
 compiles the server's log reports during the run, {n, kinds, lines}: a first-use stall inside the
 measurement; `cache_files`, {KIND or KIND/SUBFOLDER: n}, the compiled-kernel files the JIT
-caches gained or rewrote during the run, see --watch-cache, and `new_cache_files`, the first 10 of
-them), requests (per request in the CLI's order: start_s after the run's first request,
+caches gained or rewrote during the run, see --watch-cache, `new_cache_files`, the first 10 of
+them, and `kernels`, {"KIND: NAME": n} of the binaries among them), requests (per request in the CLI's order: start_s after the run's first request,
 ttft_ms; which wave a slow TTFT belongs to), and error (tail of the CLI's output) when status is
 not "ok". "ok" means rc 0 and completed == num_prompts.
 
@@ -294,7 +294,7 @@ def cache_changes(
 ) -> tuple[dict[str, int], list[str]]:
     """The kernel files created or changed between two snapshots: their count per "KIND/SUBFOLDER"
     ("KIND" for those directly in the cache's folder: which JIT wrote them, e.g. vllm/deep_gemm,
-    vllm/torch_compile_cache for Triton once torch.compile has run), and the first 10 paths."""
+    vllm/torch_compile_cache for Triton once torch.compile has run), and their paths."""
     counts: dict[str, int] = {}
     paths: list[str] = []
     for kind, snap in after.items():
@@ -303,7 +303,34 @@ def cache_changes(
             key = f"{kind}/{head}" if sep else kind
             counts[key] = counts.get(key, 0) + 1
             paths.append(f"{kind}/{rel}")
-    return counts, paths[:10]
+    return counts, paths
+
+
+def compiled_kernels(paths: list[str]) -> dict[str, int]:
+    """The kernels behind changed cache files, {KIND: NAME: n}, one per compiled binary: Triton's
+    `NAME.cubin` (and its launcher, `__triton_launcher*.so`), DeepGEMM's
+    `kernel.NAME.HASH/kernel.cubin`, our `DIGEST-SHA.o`, any other `*.so` (TileLang's) by its
+    folder. Other files (sources, IR, records) name no new binary."""
+    out: dict[str, int] = {}
+    for p in paths:
+        kind, _, rel = p.partition("/")
+        parts = rel.split("/")
+        base, parent = parts[-1], (parts[-2] if len(parts) > 1 else "")
+        if base == "kernel.cubin" and parent.startswith("kernel."):
+            name = parent.split(".")[1]  # DeepGEMM
+        elif base.endswith(".cubin"):
+            name = base[: -len(".cubin")]  # Triton
+        elif base.startswith("__triton_launcher"):
+            name = "triton launcher"
+        elif base.endswith(".o"):
+            name = "cutedsl kernel"
+        elif base.endswith(".so"):
+            name = f"{parent or kind} library"
+        else:
+            continue
+        key = f"{kind}: {name}"
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def compiled(rec: dict) -> bool:
@@ -794,7 +821,8 @@ def _loop(
                 rec["compiles"] = compiles_since(slog, pos) if slog is not None else None
                 grown, new_files = cache_changes(files0, cache_snapshot(a.caches))
                 rec["compiles"] = {**(rec["compiles"] or {}), "cache_files": grown,
-                                   "new_cache_files": new_files}  # fmt: skip
+                                   "new_cache_files": new_files[:10],
+                                   "kernels": compiled_kernels(new_files)}  # fmt: skip
                 rpath = Path(rdir) / rfile
                 if rpath.exists():
                     rec.update(_record(json.loads(rpath.read_text())))

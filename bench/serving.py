@@ -280,6 +280,7 @@ def build_records(
                         "compiles": (r.get("compiles") or {}).get("n"),
                         # kernel files the JIT caches gained or rewrote (null: not watched)
                         "cache_files": _cache_files(r),
+                        "kernels": (r.get("compiles") or {}).get("kernels"),
                         # earlier attempts of this run, discarded because something compiled
                         "discarded": len(r.get("discarded") or []),
                     }
@@ -369,6 +370,16 @@ def _cache_files(run: dict) -> int | None:
     return None if c is None else sum(c.values())
 
 
+def _kernels(k: dict | None) -> str:
+    """serve_bench's {"KIND: NAME": n} of a run's compiled binaries, short ("-": none, or not
+    recorded)."""
+    if not k:
+        return "-"
+    return ", ".join(
+        f"{name.split(': ', 1)[-1]}" + (f" x{n}" if n > 1 else "") for name, n in k.items()
+    )
+
+
 def _repeats_markdown(records: list[dict]) -> list[str]:
     """Every repeat of every point, with the server's own counts over it."""
     rows = [(r, k, rep) for r in records for k, rep in enumerate(r.get("repeats") or [])]
@@ -380,12 +391,14 @@ def _repeats_markdown(records: list[dict]) -> list[str]:
         "the compiles its log reported during the run (each one stalls the step it runs in), the "
         "compiled-kernel files the JIT caches (vLLM's: torch.compile, Triton, DeepGEMM; "
         "TileLang's; ours) gained or rewrote during it (compiles the log does not report: vLLM "
-        "warns once per Triton kernel name, DeepGEMM not at all), and the earlier attempts "
-        "discarded because something compiled during them.",
+        "warns once per Triton kernel name, DeepGEMM not at all), the earlier attempts "
+        "discarded because something compiled during them, and the kept run's compiled binaries "
+        "by kernel name.",
         "",
         "| impl | shape | conc | repeat | tok/s | TPOT p50 ms | TTFT p50 ms | duration s "
-        "| preemptions | queue s | engine steps | compiles | new cache files | discarded |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| preemptions | queue s | engine steps | compiles | new cache files | discarded "
+        "| kernels compiled |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r, k, rep in rows:
         lines.append(
@@ -394,7 +407,7 @@ def _repeats_markdown(records: list[dict]) -> list[str]:
             f"| {_f(rep['duration_s'], '{:.1f}')} | {_f(rep.get('preemptions'), '{:.0f}')} "
             f"| {_f(rep.get('queue_s'), '{:.1f}')} | {_f(rep.get('engine_steps'), '{:.0f}')} "
             f"| {_f(rep.get('compiles'), '{:.0f}')} | {_f(rep.get('cache_files'), '{:.0f}')} "
-            f"| {rep.get('discarded', 0)} |"
+            f"| {rep.get('discarded', 0)} | {_kernels(rep.get('kernels'))} |"
         )
     return lines + [""]
 

@@ -517,7 +517,7 @@ def test_compiles_the_server_logs_during_each_run(
     doc = json.loads(out.read_text())
     c1, c2 = doc["runs"]
     assert c1["compiles"] == {
-        "n": 0, "kinds": {}, "lines": [], "cache_files": {}, "new_cache_files": []
+        "n": 0, "kinds": {}, "lines": [], "cache_files": {}, "new_cache_files": [], "kernels": {}
     }  # fmt: skip
     assert c2["compiles"]["n"] == 2 and c2["compiles"]["kinds"] == {"tilelang": 1, "cutedsl": 1}
     assert "mhc_pre_big_fuse" in c2["compiles"]["lines"][0]
@@ -615,6 +615,31 @@ def test_default_caches_follow_the_environment(
     counts, paths = serve_bench.cache_changes(before, serve_bench.cache_snapshot(got))
     assert counts == {"triton/a": 1, "triton": 1, "deepgemm": 1}
     assert sorted(paths) == ["deepgemm/kernel.so", "triton/a/b/k.cubin", "triton/k.json"]
+    assert serve_bench.compiled_kernels(paths) == {"deepgemm: deepgemm library": 1, "triton: k": 1}
+
+
+def test_compiled_kernels_names_each_binary() -> None:
+    """One entry per compiled binary, named as its JIT names it; sources, IR and records skipped."""
+    tc = "vllm/torch_compile_cache/torch_aot_compile/d600/inductor_cache/triton/0"
+    paths = [
+        f"{tc}/H52R/_compute_prefill_metadata_kernel.cubin",
+        f"{tc}/H52R/_compute_prefill_metadata_kernel.ptx",
+        f"{tc}/H52R/__grp___compute_prefill_metadata_kernel.json",
+        f"{tc}/DPXX/_compute_prefill_metadata_kernel.cubin",
+        f"{tc}/ITO3/__triton_launcher.cpython-312-x86_64-linux-gnu.so",
+        "vllm/deep_gemm/cache/kernel.sm90_tf32_hc_prenorm_gemm.3d24/kernel.cu",
+        "vllm/deep_gemm/cache/kernel.sm90_tf32_hc_prenorm_gemm.3d24/kernel.cubin",
+        "cutedsl/sm_90a/0123abcd-89ab.o",
+        "cutedsl/sm_90a/0123abcd.json",
+        "tilelang/ab12/executable.so",
+    ]
+    assert serve_bench.compiled_kernels(paths) == {
+        "cutedsl: cutedsl kernel": 1,
+        "tilelang: ab12 library": 1,
+        "vllm: _compute_prefill_metadata_kernel": 2,
+        "vllm: sm90_tf32_hc_prenorm_gemm": 1,
+        "vllm: triton launcher": 1,
+    }
 
 
 def test_server_counters_over_a_run() -> None:

@@ -135,7 +135,8 @@ def _serve(impl: str, rng: random.Random) -> dict:
                                  "prefix_cache_hit_tokens": 0},
                              "compiles": None if rep else {
                                  "n": rng.randrange(1, 4),
-                                 "cache_files": {"triton": rng.randrange(1, 9), "tilelang": 1}},
+                                 "cache_files": {"triton": rng.randrange(1, 9), "tilelang": 1},
+                                 "kernels": {"triton: _k": 2, "vllm: hc_gemm": 1}},
                              **({} if rep else {"discarded": [{"seed": 9}] * rng.randrange(1, 3)})})  # fmt: skip
     runs.append({"requested_shape": "1024x1024", "concurrency": 4, "status": "failed"})
     return {"header": {"date": "d", "device": "dev", "vllm_version": "0.21.0"}, "runs": runs}
@@ -190,8 +191,11 @@ def test_records_join_bench_profile_and_roofline(tmp_path: Path) -> None:
             in md)  # fmt: skip
     assert (
         f"| {rep0['preemptions']:.0f} | {rep0['queue_s']:.1f} | {rep0['engine_steps']:.0f} "
-        f"| {rep0['compiles']} | {rep0['cache_files']} | {rep0['discarded']} |" in md
+        f"| {rep0['compiles']} | {rep0['cache_files']} | {rep0['discarded']} "
+        "| _k x2, hc_gemm |" in md
     )
+    assert rep0["kernels"] == {"triton: _k": 2, "vllm: hc_gemm": 1}
+    assert o["repeats"][1]["kernels"] is None and "| 0 | - |" in md  # none recorded
     assert md.count("\n| ours | ") == 8 and md.count("\n| upstream | ") == 8  # 4 points x 2 repeats
 
 
