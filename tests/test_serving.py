@@ -174,6 +174,10 @@ def test_records_join_bench_profile_and_roofline(tmp_path: Path) -> None:
         ctx = int(r["shape"].split("x")[0]) + 512
         sb = sv.step_bytes(info, r["concurrency"], ctx)
         assert r["roofline_us"] == round(sb["total"] / 4000.0 / 1e3, 1)
+        # every point, profiled or not: TPOT p50 over the roofline (from the unrounded roofline)
+        assert r["tpot_roofline_ratio"] == round(
+            first["median_tpot_ms"] * 1e3 / (sb["total"] / 4e6), 3
+        )
         if (r["impl"], r["shape"], r["concurrency"]) == ("ours", "1024x1024", 64):
             assert r["step_gpu_us"] == round(step_us, 1)
             assert r["roofline_ratio"] == round(step_us / (sb["total"] / 4e6), 3)
@@ -182,9 +186,13 @@ def test_records_join_bench_profile_and_roofline(tmp_path: Path) -> None:
             assert r["step_gpu_us"] is None and r["gpu_busy_pct"] is None
     md = sv.markdown(recs, {"command": "c", "copy": {"gbps": 4000.0}})
     assert md.count("\n| 1024x1024 |") == 2 and md.count("\n| 8192x1024 |") == 2
-    assert "ours/upstream tok/s" in md
+    assert "ours/upstream tok/s" in md and "| ours TPOT/roofline |" in md
     o = next(
         r for r in recs if (r["impl"], r["shape"], r["concurrency"]) == ("ours", "1024x1024", 64)
+    )
+    assert (
+        f"| {o['roofline_ratio']:.2f} | {o['tpot_roofline_ratio']:.2f} | {o['gpu_busy_pct']:.1f} |"
+        in md
     )
     rep0 = o["repeats"][0]
     assert (f"| ours | 1024x1024 | 64 | 0 | {rep0['output_tok_s']:.1f} | {rep0['tpot_p50_ms']:.2f} |"
