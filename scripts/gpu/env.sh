@@ -126,10 +126,13 @@ FLASH_ARGS=(--served-model-name flash --max-model-len 10240 --max-num-seqs "$MAX
     --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS"
     --kv-cache-memory-bytes "$KV_CACHE_BYTES" --gpu-memory-utilization "$GPU_MEM_UTIL"
     --cudagraph-capture-sizes $CAPTURE_SIZES --enable-prompt-tokens-details)
-# The servers' own environment: the worker's phase annotations for the profiler. vLLM keys its
-# torch.compile cache on its VLLM_* variables (vllm/envs.py compile_factors), so an engine built
-# to match a server (bench/greedy_parity.py offline) takes these too.
-FLASH_ENV=(VLLM_CUSTOM_SCOPES_FOR_PROFILING=1)
+# The servers' own environment: the worker's phase annotations for the profiler, and
+# FLASH_EXTRA_ENV's K=V words (e.g. TORCHINDUCTOR_DETERMINISTIC=1: Inductor picks its reduction
+# configs without timing them). vLLM keys its torch.compile cache on its VLLM_* variables
+# (vllm/envs.py compile_factors), so an engine built to match a server (bench/greedy_parity.py
+# offline) takes these too.
+# shellcheck disable=SC2206
+FLASH_ENV=(VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 ${FLASH_EXTRA_ENV:-})
 flash_port() { case $1 in ours) echo 8001 ;; upstream) echo 8002 ;; esac; }
 flash_prof_dir() { echo "$RUN_DIR/prof_flash_$1"; }
 flash_ckpt() {  # flash_ckpt ours|upstream|nvfp4|native

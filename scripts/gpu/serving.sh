@@ -111,6 +111,7 @@ SETTINGS="FLASH_LAYERS=$FLASH_LAYERS SHAPES='$SHAPES' CONCS='$CONCS' REPEATS=$RE
 SETTINGS+=" PROFILE_CONCS='$PROFILE_CONCS' PROFILE_S=$PROFILE_S HOST_CONCS='$HOST_CONCS' MIN_RUN_S=$MIN_RUN_S"
 SETTINGS+=" RETRY_ON_COMPILE=$RETRY_ON_COMPILE"
 SETTINGS+=" CAPTURE_SIZES='$CAPTURE_SIZES' MAX_NUM_SEQS=$MAX_NUM_SEQS"
+[ -n "${FLASH_EXTRA_ENV:-}" ] && SETTINGS="FLASH_EXTRA_ENV='$FLASH_EXTRA_ENV' $SETTINGS"
 left() { echo $((BUDGET - SECONDS)); }
 note() { echo "$(date -u +%T) [${SECONDS}s] $*" | tee -a "$OUT/summary.txt"; }
 label_of() { case $1 in ours) echo cutedsl-nvfp4 ;; upstream) echo upstream-native ;; esac; }
