@@ -256,6 +256,7 @@ host_profile() {  # host_profile ours|upstream C: where the server's CPU goes at
         --base-url "http://127.0.0.1:$port" --model flash --pid "$pid" --label "$label" \
         --concurrency "$c" ${PYSPY:+--py-spy "$PYSPY"} --warm-timeout 40 \
         --out "$STATE/host_${n}_c$c.json" --md "$STATE/host_${n}_c$c.md"
+    touch "$STATE/host_${n}_c$c.tried"
     grep -m1 "decode step" "$STATE/host_${n}_c$c.md" 2>/dev/null | tee -a "$OUT/summary.txt"
 }
 
@@ -265,6 +266,7 @@ greedy_server() {  # greedy_server ours|upstream [TAG], while it serves: its gre
     greedy_on "$1" && [ ! -f "$STATE/$f.json" ] || return 0
     step "$f" 120 "$PYTHON" "$REPO/bench/greedy_parity.py" server \
         --base-url "http://127.0.0.1:$(flash_port "$1")" --model flash --out "$STATE/$f.json"
+    touch "$STATE/$f.tried"  # (impl_done: run, whatever came of it)
 }
 greedy_offline() {  # greedy_offline ours|upstream: the same prompts through LLM.generate (GPU to itself)
     local n=$1 t env k out cmp
@@ -320,10 +322,14 @@ while running "$STATE/prewarm.pid" && [ "$(left)" -gt 60 ]; do sleep 3; done
 [ -f "$STATE/prewarm.ok" ] || note "mHC prewarm did not finish (see prewarm.log); servers compile them"
 cp "$STATE/prewarm.log" "$R/" 2>/dev/null
 
-impl_done() {  # impl_done ours|upstream: every bench point and every profile of it done
+impl_done() {  # impl_done ours|upstream: every bench point and profile of it done, the rest tried
     local c
     bench_done "$1" "$REPEATS" || return 1
     for c in $PROFILE_CONCS; do [ -f "$STATE/profile_${1}_c$c.json" ] || return 1; done
+    for c in $HOST_CONCS; do
+        [ -f "$STATE/host_${1}_c$c.json" ] || [ -f "$STATE/host_${1}_c$c.tried" ] || return 1
+    done
+    ! greedy_on "$1" || [ -f "$STATE/greedy_server_$1.json" ] || [ -f "$STATE/greedy_server_$1.tried" ]
 }
 other() { case $1 in ours) echo upstream ;; upstream) echo ours ;; esac; }
 
