@@ -14,7 +14,7 @@ ValueError naming every missing parameter (and, for routed experts, which it tra
 every missing checkpoint tensor). FP8 / MXFP4 / BF16 models get only the note (upstream otherwise).
 Before the first tensor is read, models with our methods start compiling their kernels in the
 background (`cutedsl.vllm.prefetch`), so the compiles overlap the weight loading; on a GPU, every
-DSv4 model also starts compiling vLLM's prefill-metadata Triton kernel for each batch shape its
+DSv4 model also starts compiling vLLM's step-metadata Triton kernels for each batch shape its
 scheduler can produce (`cutedsl.vllm.metadata_warmup`), waited for once the weights are loaded.
 
 Hook at the start of `DeepseekV4ForCausalLM.__init__` (deepseek_v4.py), before any layer (and
@@ -110,19 +110,18 @@ def _uses_ours(model: torch.nn.Module) -> bool:
 
 
 def _start_metadata_warmup(model: torch.nn.Module) -> bool:
-    """Start compiling vLLM's prefill-metadata Triton kernel for this server's batches
+    """Start compiling vLLM's step-metadata Triton kernels for this server's batches
     (`cutedsl.vllm.metadata_warmup`) on a GPU; whether it started. Never raises."""
     if not torch.cuda.is_available():
         return False
     try:
         from vllm.config import get_current_vllm_config
 
-        max_num_seqs = int(get_current_vllm_config().scheduler_config.max_num_seqs)
-        window = int(model.config.sliding_window)
-    except Exception as e:  # the kernel then compiles on first use, as upstream's does
-        logger.warning("cutedsl: no prefill-metadata warm-up (%s: %s)", type(e).__name__, e)
+        ctx = metadata_warmup.context(get_current_vllm_config(), model.config)
+    except Exception as e:  # the kernels then compile on first use, as upstream's do
+        logger.warning("cutedsl: no step-metadata warm-up (%s: %s)", type(e).__name__, e)
         return False
-    metadata_warmup.start(max_num_seqs, window)
+    metadata_warmup.start(ctx)
     return True
 
 

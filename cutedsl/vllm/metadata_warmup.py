@@ -1,46 +1,80 @@
-"""Compile vLLM's DeepSeek V4 prefill-metadata Triton kernel for every batch it can meet, while
-the weights load, so that no engine step stalls on its compile.
+"""Compile vLLM's DeepSeek V4 step-metadata Triton kernels for every batch they can meet, while
+the weights load, so that no engine step stalls on their compiles.
 
-vLLM 0.21.0's `DeepseekSparseSWAMetadataBuilder` (`vllm/v1/attention/backends/mla/sparse_swa.py`)
-launches `_compute_prefill_metadata_kernel` in every step with prefills:
+Triton compiles one binary per specialization of a call: each constexpr's value and, for each
+integer argument, whether it equals 1 (then a constant) or is divisible by 16 (then marked so),
+and for each pointer whether it is 16-byte aligned. vLLM 0.21.0 compiles these kernels on first
+use, inside an engine step, stalling every running request: on an H100, the first request after
+the server reported healthy compiled them (vLLM's Triton JIT monitor names them), and later runs
+at concurrency 4 to 128 compiled new specializations of `_compute_prefill_metadata_kernel`, in
+our server and in upstream's alike. The kernels and the arguments of their one call site each:
 
-    _compute_prefill_metadata_kernel[(1,)](pfx_gather_lens, seq_lens, query_start_loc,
-        num_prefills, num_decodes, self.window_size,
-        BLOCK_SIZE=triton.next_power_of_2(num_prefills))
+- `_compute_prefill_metadata_kernel` (`vllm/v1/attention/backends/mla/sparse_swa.py`, every step
+  with prefills): `(pfx_gather_lens, seq_lens, query_start_loc, num_prefills, num_decodes,
+  window_size, BLOCK_SIZE=next_power_of_2(num_prefills))`, three whole int32 tensors (aligned);
+- `_compute_slot_mapping_kernel` (`vllm/v1/worker/block_table.py`, every step, each KV-cache
+  group): `(num_tokens, max_num_batched_tokens, query_start_loc, positions, block_table,
+  block_table.stride(0), block_size, slot_mapping)` and the context-parallel constants; the
+  group's block size and table stride are known only once the KV cache is laid out, so every
+  class of each is warmed;
+- `_build_prefill_chunk_metadata_kernel` (`vllm/v1/attention/backends/mla/indexer.py`, each
+  indexer prefill chunk, the compress-ratio-4 layers): `(query_start_loc, seq_lens[start:end],
+  cu_seq_lens, token_to_seq, ks, ke, qs_start, qs_stop, BLOCK_SIZE=1024, COMPRESS_RATIO)`, of
+  which only the seq_lens slice can start off a 16-byte boundary.
 
-Triton compiles one binary per specialization of a call: the constexpr BLOCK_SIZE, and for each
-integer argument whether it equals 1 (then a constant) or is divisible by 16 (then marked so); its
-pointers here are the starts of whole tensors, always 16-byte aligned. Each new combination of the
-step's prefill and decode counts compiles on first use, inside an engine step, stalling every
-running request: on an H100, runs at concurrency 4 to 128 each added 8 to 17 of its cache files
-after the server had reported healthy, in our server and in upstream's alike.
-
-`cases(max_num_seqs)` lists one (num_prefills, num_decodes) per specialization that a scheduler
-with `max_num_seqs` can produce (num_prefills >= 1, num_prefills + num_decodes <= max_num_seqs);
-`start(max_num_seqs, window_size)` compiles them in a background thread (`JITFunction.warmup`:
-compile only, nothing launched; from Triton's disk cache when there) and `finish()` waits for it.
-A failure only logs a warning: the kernel then compiles on first use, as it would without this.
+`calls(ctx)` lists, per kernel, one call per specialization the call site can produce (a CPU test
+checks each list against every reachable call with Triton's own specialization function);
+`start(ctx)` compiles them in a background thread (`JITFunction.warmup`: compile only, nothing
+launched; from Triton's disk cache when there) and `finish()` waits for it. A failure only logs a
+warning: a kernel then compiles on first use, as it would without this.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# the kernel's parameters in vLLM 0.21.0, in order (a CPU test keeps this equal to vLLM's)
-KERNEL_PARAMS = (
-    "prefill_gather_lens_ptr",
-    "seq_lens_ptr",
-    "query_start_loc_ptr",
-    "num_prefills",
-    "num_decodes",
-    "window_size",
-    "BLOCK_SIZE",
-)
+# each kernel: (its module, its parameters in vLLM 0.21.0, in order; a CPU test keeps them equal)
+KERNELS = {
+    "_compute_prefill_metadata_kernel": (
+        "vllm.v1.attention.backends.mla.sparse_swa",
+        ("prefill_gather_lens_ptr", "seq_lens_ptr", "query_start_loc_ptr", "num_prefills",
+         "num_decodes", "window_size", "BLOCK_SIZE"),
+    ),
+    "_compute_slot_mapping_kernel": (
+        "vllm.v1.worker.block_table",
+        ("num_tokens", "max_num_tokens", "query_start_loc_ptr", "positions_ptr", "block_table_ptr",
+         "block_table_stride", "block_size", "slot_mapping_ptr", "TOTAL_CP_WORLD_SIZE",
+         "TOTAL_CP_RANK", "CP_KV_CACHE_INTERLEAVE_SIZE", "PAD_ID", "BLOCK_SIZE"),
+    ),
+    "_build_prefill_chunk_metadata_kernel": (
+        "vllm.v1.attention.backends.mla.indexer",
+        ("query_start_loc_ptr", "uncompressed_seq_lens_ptr", "cu_compressed_seq_lens_ptr",
+         "token_to_seq_ptr", "cu_compressed_seq_len_ks_ptr", "cu_compressed_seq_len_ke_ptr",
+         "query_slice_start", "query_slice_stop", "BLOCK_SIZE", "COMPRESS_RATIO"),
+    ),
+}  # fmt: skip
+INDEXER_RATIO = 4  # DSv4 runs its sparse-attention indexer on the compress-ratio-4 layers
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the calls depend on: the scheduler's limits, the model's window and compress ratios,
+    and this worker's context-parallel position (vLLM's BlockTable: 1 and 0 without CP)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    window_size: int
+    compress_ratios: tuple[int, ...] = ()
+    cp_world_size: int = 1
+    cp_rank: int = 0
+    cp_interleave: int = 1
+    pad_id: int = -1
 
 
 def int_class(v: int) -> str:
@@ -49,60 +83,139 @@ def int_class(v: int) -> str:
     return "1" if v == 1 else "16" if v % 16 == 0 else ""
 
 
+# the smallest non-negative member of each class: 0 ('16'), 1 ('1'), 2 ('')
+CLASS_MEMBERS = (0, 1, 2)
+
+
 def next_pow2(n: int) -> int:
     """`triton.next_power_of_2` for n >= 1."""
     return 1 << (n - 1).bit_length()
 
 
-def key(num_prefills: int, num_decodes: int) -> tuple[int, str, str]:
-    """The part of a call's specialization that changes from step to step."""
-    return next_pow2(num_prefills), int_class(num_prefills), int_class(num_decodes)
+def prefill_cases(max_num_seqs: int) -> list[tuple[int, int]]:
+    """`_compute_prefill_metadata_kernel`: one (num_prefills, num_decodes) per reachable
+    (BLOCK_SIZE, class of num_prefills, class of num_decodes), the smallest of each.
 
-
-def cases(max_num_seqs: int) -> list[tuple[int, int]]:
-    """One (num_prefills, num_decodes) per reachable `key`, the smallest of each.
-
-    Every reachable pair (p, d) is covered: its key is produced at the first p' of p's
-    (BLOCK_SIZE, class) -- p' <= p -- with d' = 0, 1 or 2 for d's class, the smallest member of
-    that class (d' <= d), so p' + d' <= p + d <= max_num_seqs was tried."""
+    Every reachable pair (p, d) -- p >= 1, p + d <= max_num_seqs -- is covered: its key is produced
+    at the first p' of p's (BLOCK_SIZE, class), p' <= p, with d' = 0, 1 or 2 for d's class, the
+    smallest member of that class (d' <= d), so p' + d' <= p + d <= max_num_seqs was tried."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     out: dict[tuple[int, str, str], tuple[int, int]] = {}
     for p in range(1, max_num_seqs + 1):
-        for d in (0, 1, 2):
+        for d in CLASS_MEMBERS:
             if p + d <= max_num_seqs:
-                out.setdefault(key(p, d), (p, d))
+                out.setdefault((next_pow2(p), int_class(p), int_class(d)), (p, d))
     return sorted(out.values())
 
 
-def _kernel():
-    """vLLM's kernel, or None where Triton is not usable (vLLM then has a placeholder)."""
-    from vllm.v1.attention.backends.mla import sparse_swa
+def slot_mapping_cases() -> list[tuple[int, int, int]]:
+    """`_compute_slot_mapping_kernel`: (num_tokens, block_table_stride, block_size), every class
+    of each (num_tokens >= 1; a stride and a block size of any class)."""
+    return [(n, s, b) for n in (1, 16, 2) for s in (16, 1, 2) for b in (16, 1, 2)]
 
-    k = getattr(sparse_swa, "_compute_prefill_metadata_kernel", None)
+
+def prefill_chunk_cases() -> list[tuple[bool, int, int]]:
+    """`_build_prefill_chunk_metadata_kernel`: (seq_lens slice aligned, qs_start, qs_stop) for
+    every alignment and every (class of start, class of stop) with 0 <= start < stop."""
+    pairs = [(a, b) for a in CLASS_MEMBERS for b in (1, 16, 2, 17) if a < b]
+    keys: dict[tuple[str, str], tuple[int, int]] = {}
+    for a, b in pairs:
+        keys.setdefault((int_class(a), int_class(b)), (a, b))
+    return [(al, a, b) for al in (True, False) for a, b in sorted(keys.values())]
+
+
+def calls(ctx: Context) -> dict[str, list[tuple[tuple, dict]]]:
+    """Per kernel, the (args, kwargs) of one `warmup` call per specialization; torch dtypes stand
+    for aligned tensors (Triton's MockTensor), an int32 view one element into a buffer for the
+    unaligned seq_lens slice (`unaligned`, made by the caller on the device)."""
+    import torch
+
+    i32, i64 = torch.int32, torch.int64
+    out: dict[str, list[tuple[tuple, dict]]] = {}
+    out["_compute_prefill_metadata_kernel"] = [
+        ((i32, i32, i32, p, d, ctx.window_size), {"BLOCK_SIZE": next_pow2(p)})
+        for p, d in prefill_cases(ctx.max_num_seqs)
+    ]
+    cp = {"TOTAL_CP_WORLD_SIZE": ctx.cp_world_size, "TOTAL_CP_RANK": ctx.cp_rank,
+          "CP_KV_CACHE_INTERLEAVE_SIZE": ctx.cp_interleave, "PAD_ID": ctx.pad_id,
+          "BLOCK_SIZE": 1024}  # fmt: skip
+    out["_compute_slot_mapping_kernel"] = [
+        ((n, ctx.max_num_batched_tokens, i32, i64, i32, s, b, i64), cp)
+        for n, s, b in slot_mapping_cases()
+    ]
+    if INDEXER_RATIO in ctx.compress_ratios:
+        kw = {"BLOCK_SIZE": 1024, "COMPRESS_RATIO": INDEXER_RATIO}
+        out["_build_prefill_chunk_metadata_kernel"] = [
+            ((i32, i32 if al else "unaligned", i32, i32, i32, i32, a, b), kw)
+            for al, a, b in prefill_chunk_cases()
+        ]
+    return out
+
+
+def _kernel(name: str):
+    """vLLM's kernel, or None where Triton is not usable (vLLM then has a placeholder)."""
+    import importlib
+
+    k = getattr(importlib.import_module(KERNELS[name][0]), name, None)
     return k if hasattr(k, "warmup") else None
 
 
-def warm(max_num_seqs: int, window_size: int, kernel=None) -> int:
-    """Compile every case of `cases(max_num_seqs)` for this window size; the number compiled or
-    loaded. `kernel`: the Triton function (default: vLLM's)."""
+def warm(ctx: Context, kernels: dict | None = None) -> tuple[int, list[str]]:
+    """Compile every call of `calls(ctx)`: the number compiled or loaded, and one line per kernel
+    that failed (the others go on). `kernels`: name -> Triton function (default: vLLM's)."""
     import torch
 
-    k = _kernel() if kernel is None else kernel
-    if k is None:
-        return 0
-    todo = cases(max_num_seqs)
-    for p, d in todo:
-        # dtypes stand for the three int32 tensors (Triton takes them as aligned pointers)
-        k.warmup(torch.int32, torch.int32, torch.int32, p, d, window_size,
-                 BLOCK_SIZE=next_pow2(p), grid=(1,))  # fmt: skip
-    return len(todo)
+    unaligned = None
+    n, failed = 0, []
+    for name, todo in calls(ctx).items():
+        try:
+            k = _kernel(name) if kernels is None else kernels.get(name)
+            if k is None:
+                continue
+            for args, kwargs in todo:
+                if "unaligned" in args:
+                    if unaligned is None:
+                        unaligned = torch.zeros(8, dtype=torch.int32, device="cuda")[1:]
+                    args = tuple(unaligned if a == "unaligned" else a for a in args)
+                k.warmup(*args, grid=(1,), **kwargs)
+                n += 1
+        except Exception as e:  # this kernel then compiles on first use
+            failed.append(f"{name}: {type(e).__name__}: {e}")
+    return n, failed
+
+
+def context(vllm_config, hf_config) -> Context:
+    """The Context of this worker, from vLLM's config and the model's (raises where one lacks a
+    value: the caller then skips the warm-up)."""
+    from vllm.distributed.parallel_state import get_dcp_group, get_pcp_group
+    from vllm.v1.attention.backends.utils import PAD_SLOT_ID
+
+    world, rank = 1, 0
+    for group in (get_pcp_group, get_dcp_group):  # BlockTable's order: pcp rank, then dcp
+        try:
+            g = group()
+        except AssertionError:  # not initialized: no context parallelism (as BlockTable does)
+            continue
+        rank = rank * g.world_size + g.rank_in_group
+        world *= g.world_size
+    sched = vllm_config.scheduler_config
+    return Context(
+        max_num_seqs=int(sched.max_num_seqs),
+        max_num_batched_tokens=int(sched.max_num_batched_tokens),
+        window_size=int(hf_config.sliding_window),
+        compress_ratios=tuple(int(r) for r in (getattr(hf_config, "compress_ratios", None) or ())),
+        cp_world_size=world,
+        cp_rank=rank,
+        cp_interleave=int(vllm_config.parallel_config.cp_kv_cache_interleave_size),
+        pad_id=int(PAD_SLOT_ID),
+    )
 
 
 _thread: threading.Thread | None = None
 
 
-def start(max_num_seqs: int, window_size: int) -> None:
+def start(ctx: Context) -> None:
     """Compile in a background thread (overlapping the weight loading) for this thread's CUDA
     device (Triton keeps compiled kernels per device); never raises."""
     global _thread
@@ -115,14 +228,15 @@ def start(max_num_seqs: int, window_size: int) -> None:
         try:
             if device is not None:
                 torch.cuda.set_device(device)  # the current device is per thread
-            n = warm(max_num_seqs, window_size)
+            n, failed = warm(ctx)
         except Exception as e:  # first use compiles what this did not
-            logger.warning("cutedsl: warming vLLM's prefill-metadata kernel failed (%s: %s); it "
-                           "compiles on first use instead", type(e).__name__, e)  # fmt: skip
-            return
+            n, failed = 0, [f"{type(e).__name__}: {e}"]
+        for line in failed:
+            logger.warning("cutedsl: warming vLLM's step-metadata kernels failed (%s); they "
+                           "compile on first use instead", line)  # fmt: skip
         if n:
-            logger.info("cutedsl: vLLM's prefill-metadata kernel ready for %d batch shapes "
-                        "(max_num_seqs %d) in %.1f s", n, max_num_seqs, time.monotonic() - t0)  # fmt: skip
+            logger.info("cutedsl: vLLM's step-metadata kernels ready for %d batch shapes "
+                        "(max_num_seqs %d) in %.1f s", n, ctx.max_num_seqs, time.monotonic() - t0)  # fmt: skip
 
     _thread = threading.Thread(target=run, name="cutedsl-metadata-warmup", daemon=True)
     _thread.start()
@@ -135,6 +249,6 @@ def finish(timeout: float = 300.0) -> None:
         return
     _thread.join(timeout)
     if _thread.is_alive():
-        logger.warning("cutedsl: vLLM's prefill-metadata kernel still compiling after %.0f s; "
-                       "serving starts without waiting for it", timeout)  # fmt: skip
+        logger.warning("cutedsl: vLLM's step-metadata kernels still compiling after %.0f s; "
+                       "serving starts without waiting for them", timeout)  # fmt: skip
     _thread = None
