@@ -222,6 +222,13 @@ def start(ctx: Context) -> None:
     import torch
 
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    if device is not None:
+        try:  # Triton's driver, created here rather than raced for by two threads
+            from triton.runtime import driver
+
+            driver.active.get_current_target()
+        except Exception:  # the thread then meets the same error and reports it
+            pass
 
     def run() -> None:
         t0 = time.monotonic()
