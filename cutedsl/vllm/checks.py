@@ -15,7 +15,7 @@ every missing checkpoint tensor). FP8 / MXFP4 / BF16 models get only the note (u
 Before the first tensor is read, models with our methods start compiling their kernels in the
 background (`cutedsl.vllm.prefetch`), so the compiles overlap the weight loading; on a GPU, every
 DSv4 model also starts compiling vLLM's step-metadata Triton kernels for each batch shape its
-scheduler can produce (`cutedsl.vllm.metadata_warmup`), waited for once the weights are loaded.
+scheduler can produce (`cutedsl.vllm.metadata_warmup`), waited for once the weights have loaded.
 
 Hook at the start of `DeepseekV4ForCausalLM.__init__` (deepseek_v4.py), before any layer (and
 so any weight or buffer) is created:
@@ -148,10 +148,9 @@ def checked_load(
                 f"while loading checkpoint tensor {name!r} (shape {list(t.shape)}, dtype "
                 f"{str(t.dtype).removeprefix('torch.')})"
             )
-        raise
-    finally:
-        if warming:
-            metadata_warmup.finish()
+        raise  # the warm-up thread (a daemon) is not waited for: the error goes out at once
+    if warming:
+        metadata_warmup.finish()
     if _uses_ours(model):
         missing = _missing(model, loaded, tracked.seen)
         if missing:
