@@ -295,3 +295,125 @@ def test_checked_load_warms_on_a_gpu_and_waits_unless_loading_fails(monkeypatch)
     events.clear()  # a model without the config: no warm-up, the load as before
     checks.checked_load(torch.nn.Module(), Loader(), iter([]), None)
     assert events == [("load",)]
+
+
+@pytest.mark.parametrize(("max_num_seqs", "next_n"), [(1, 1), (31, 1), (64, 1), (100, 1), (128, 1),
+                                                      (128, 2), (48, 4)])  # fmt: skip
+def test_paged_mqa_batches_cover_every_decode_batch(max_num_seqs: int, next_n: int) -> None:
+    """Every decode batch a step can build (1 .. max_num_seqs * next_n rows) rounds up to 32 onto
+    one of the warmed batches, and each warmed batch is its own class (no repeats, none beyond)."""
+    ctx = mw.Context(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, window_size=128,
+                     compress_ratios=(4,), block_size=256, next_n=next_n)  # fmt: skip
+    got = mw.paged_mqa_batches(ctx)
+    classes = {-(-b // 32) * 32 for b in range(1, max_num_seqs * next_n + 1)}
+    assert got == sorted(classes)
+
+
+def test_paged_mqa_alignment_is_deepgemms() -> None:
+    """The class width is the template's (vLLM's vendored DeepGEMM header), and the indexer's
+    builder calls the function with the arguments warm_deepgemm passes."""
+    import pathlib
+
+    import vllm
+
+    cuh = pathlib.Path(vllm.__file__).parent / (
+        "third_party/deep_gemm/include/deep_gemm/scheduler/paged_mqa_logits.cuh"
+    )
+    src = re.sub(r"\s+", " ", cuh.read_text())
+    assert "template <uint32_t kAlignedBatchSize, uint32_t SPLIT_KV, uint32_t kNumSMs" in src
+    assert f"kAlignedBatchSize % {mw.PAGED_MQA_ALIGN} == 0" in src
+    from vllm.v1.attention.backends.mla import indexer
+
+    idx = _source(indexer)
+    assert (
+        "get_paged_mqa_logits_metadata(seq_lens,self.kv_cache_spec.storage_block_size,"
+        "self.num_sms,)"
+    ) in idx
+    assert "sm_count=num_compute_units(self.device.index)self.num_sms=sm_count" in idx
+    assert "ifseq_lens.dim()==1:seq_lens=seq_lens.unsqueeze(-1)" in idx
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=256, num_kv_heads=1, head_size=128, dtype=torch.uint8,
+                            compress_ratio=mw.INDEXER_RATIO)  # fmt: skip
+    assert spec.storage_block_size == 256 // mw.INDEXER_RATIO
+
+
+def _fake_deepgemm(monkeypatch, available: bool = True) -> list:
+    import vllm.platforms
+    import vllm.utils.deep_gemm as dg
+    import vllm.utils.platform_utils as pu
+
+    calls = []
+    monkeypatch.setattr(dg, "has_deep_gemm", lambda: available)
+    monkeypatch.setattr(
+        dg, "get_paged_mqa_logits_metadata",
+        lambda lens, block, sms: calls.append((tuple(lens.shape), lens.dtype, block, sms)),
+    )  # fmt: skip
+    monkeypatch.setattr(vllm.platforms.current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(pu, "num_compute_units", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
+        synchronize=lambda: None))  # fmt: skip
+    ones = torch.ones
+    monkeypatch.setattr(torch, "ones", lambda *a, device=None, **kw: ones(*a, **kw))
+    return calls
+
+
+def test_warm_deepgemm_runs_each_batch_class_as_the_builder(monkeypatch) -> None:
+    calls = _fake_deepgemm(monkeypatch)
+    ctx = mw.Context(max_num_seqs=128, max_num_batched_tokens=8192, window_size=128,
+                     compress_ratios=(4, 128, 0), block_size=256)  # fmt: skip
+    assert mw.warm_deepgemm(ctx) == 4
+    assert calls == [((b, 1), torch.int32, 64, 132) for b in (32, 64, 96, 128)]
+    calls.clear()  # no indexer layer, an unknown block size: nothing
+    assert mw.warm_deepgemm(mw.Context(8, 64, 128, compress_ratios=(128, 0), block_size=256)) == 0
+    assert mw.warm_deepgemm(mw.Context(8, 64, 128, compress_ratios=(4,))) == 0
+    assert calls == []
+
+
+def test_warm_deepgemm_without_deepgemm(monkeypatch) -> None:
+    ctx = mw.Context(max_num_seqs=8, max_num_batched_tokens=64, window_size=128,
+                     compress_ratios=(4,), block_size=256)  # fmt: skip
+    calls = _fake_deepgemm(monkeypatch, available=False)
+    assert mw.warm_deepgemm(ctx) == 0 and calls == []
+
+
+def test_finish_warms_deepgemm_after_the_thread_and_never_raises(monkeypatch, caplog) -> None:
+    ctx = mw.Context(max_num_seqs=8, max_num_batched_tokens=64, window_size=128,
+                     compress_ratios=(4,), block_size=256)  # fmt: skip
+    order = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(mw, "warm", lambda c: order.append(("triton", c)) or (3, []))
+    monkeypatch.setattr(mw, "warm_deepgemm", lambda c: order.append(("deepgemm", c)) or 1)
+    with caplog.at_level(logging.INFO):
+        mw.start(ctx)
+        mw.finish()
+    assert order == [("triton", ctx), ("deepgemm", ctx)]
+    assert "paged MQA schedule kernel ready for 1 batch classes" in caplog.text
+
+    def broken(c):
+        raise RuntimeError("nvcc died")
+
+    monkeypatch.setattr(mw, "warm_deepgemm", broken)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        mw.start(ctx)
+        mw.finish()  # does not raise
+    assert "RuntimeError: nvcc died" in caplog.text and "compiles on first use" in caplog.text
+    order.clear()
+    mw.finish()  # nothing started: nothing run
+    assert order == []
+
+
+def test_context_block_size_and_mtp_tokens() -> None:
+    vcfg = types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(max_num_seqs=32, max_num_batched_tokens=2048),
+        parallel_config=types.SimpleNamespace(cp_kv_cache_interleave_size=1),
+        cache_config=types.SimpleNamespace(block_size=256),
+        speculative_config=types.SimpleNamespace(num_speculative_tokens=2),
+    )
+    hf = types.SimpleNamespace(sliding_window=128, compress_ratios=[4, 0])
+    ctx = mw.context(vcfg, hf)
+    assert (ctx.block_size, ctx.next_n) == (256, 3)
+    vcfg.speculative_config = None
+    assert mw.context(vcfg, hf).next_n == 1

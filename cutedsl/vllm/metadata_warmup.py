@@ -1,5 +1,5 @@
-"""Compile vLLM's DeepSeek V4 step-metadata Triton kernels for every batch they can meet, while
-the weights load, so that no engine step stalls on their compiles.
+"""Compile vLLM's DeepSeek V4 step-metadata kernels (Triton's, and one of DeepGEMM's) for every
+batch they can meet, while the weights load, so that no engine step stalls on their compiles.
 
 Triton compiles one binary per specialization of a call: each constexpr's value and, for each
 integer argument, whether it equals 1 (then a constant) or is divisible by 16 (then marked so),
@@ -22,11 +22,23 @@ our server and in upstream's alike. The kernels and the arguments of their one c
   cu_seq_lens, token_to_seq, ks, ke, qs_start, qs_stop, BLOCK_SIZE=1024, COMPRESS_RATIO)`, of
   which only the seq_lens slice can start off a 16-byte boundary.
 
+And one DeepGEMM kernel, `smxx_paged_mqa_logits_metadata` (the indexer's decode schedule, built by
+`get_paged_mqa_logits_metadata(seq_lens, storage block size, SM count)` in
+`DeepseekV32IndexerMetadataBuilder.build`, every step with decodes): DeepGEMM JIT-compiles one
+binary per batch size rounded up to 32 (`kAlignedBatchSize`,
+deep_gemm/scheduler/paged_mqa_logits.cuh); CUDA-graph capture meets only the classes of the
+capture sizes (with sizes 1 to 128 in powers of two, not 65 to 96 decodes), and a run at
+concurrency 128 compiled one mid-serving. `paged_mqa_batches(ctx)` lists one batch per class up to the most decode
+rows a step can have (`max_num_seqs` times the tokens per decode with MTP);
+`warm_deepgemm` calls vLLM's function with the builder's own block size and SM count, once the
+weights have loaded (`finish`).
+
 `calls(ctx)` lists, per kernel, one call per specialization the call site can produce (a CPU test
 checks each list against every reachable call with Triton's own specialization function);
 `start(ctx)` compiles them in a background thread (`JITFunction.warmup`: compile only, nothing
-launched; from Triton's disk cache when there) and `finish()` waits for it. A failure only logs a
-warning: a kernel then compiles on first use, as it would without this.
+launched; from Triton's disk cache when there) and `finish()` waits for it, then warms the
+DeepGEMM kernel. A failure only logs a warning: a kernel then compiles on first use, as it would
+without this.
 """
 
 from __future__ import annotations
@@ -75,6 +87,8 @@ class Context:
     cp_rank: int = 0
     cp_interleave: int = 1
     pad_id: int = -1
+    block_size: int = 0  # the KV cache's block size (tokens); 0: unknown, no DeepGEMM warm-up
+    next_n: int = 1  # tokens per decode request (1 + MTP's speculative tokens)
 
 
 def int_class(v: int) -> str:
@@ -123,6 +137,44 @@ def prefill_chunk_cases() -> list[tuple[bool, int, int]]:
     for a, b in pairs:
         keys.setdefault((int_class(a), int_class(b)), (a, b))
     return [(al, a, b) for al in (True, False) for a, b in sorted(keys.values())]
+
+
+PAGED_MQA_ALIGN = 32  # DeepGEMM rounds the batch up to this (kAlignedBatchSize)
+
+
+def paged_mqa_batches(ctx: Context) -> list[int]:
+    """The batch sizes (decode rows of the indexer's seq_lens) whose `kAlignedBatchSize` classes
+    cover every step: one per multiple of 32 up to `max_num_seqs * next_n` rounded up (a decode
+    request is one row, or `next_n` rows where vLLM flattens MTP's draft tokens)."""
+    rows = ctx.max_num_seqs * max(1, ctx.next_n)
+    top = -(-rows // PAGED_MQA_ALIGN) * PAGED_MQA_ALIGN
+    return list(range(PAGED_MQA_ALIGN, top + 1, PAGED_MQA_ALIGN))
+
+
+def warm_deepgemm(ctx: Context) -> int:
+    """Compile `smxx_paged_mqa_logits_metadata` for every `paged_mqa_batches` class through
+    vLLM's `get_paged_mqa_logits_metadata`, as the indexer's builder calls it (storage block size
+    = block size // 4, this device's SM count); the number of batches run. Nothing where the
+    model has no indexer, the block size is unknown, or DeepGEMM is not there (the builder then
+    does not call it either)."""
+    if INDEXER_RATIO not in ctx.compress_ratios or ctx.block_size <= 0:
+        return 0
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.utils.deep_gemm import get_paged_mqa_logits_metadata, has_deep_gemm
+    from vllm.utils.platform_utils import num_compute_units
+
+    if not (current_platform.is_cuda() and has_deep_gemm()):
+        return 0
+    device = torch.cuda.current_device()
+    sms = num_compute_units(device)
+    n = 0
+    for b in paged_mqa_batches(ctx):
+        lens = torch.ones((b, 1), dtype=torch.int32, device=device)
+        get_paged_mqa_logits_metadata(lens, ctx.block_size // INDEXER_RATIO, sms)
+        n += 1
+    torch.cuda.current_stream(device).synchronize()
+    return n
 
 
 def calls(ctx: Context) -> dict[str, list[tuple[tuple, dict]]]:
@@ -200,6 +252,8 @@ def context(vllm_config, hf_config) -> Context:
         rank = rank * g.world_size + g.rank_in_group
         world *= g.world_size
     sched = vllm_config.scheduler_config
+    cache = getattr(vllm_config, "cache_config", None)
+    spec = getattr(vllm_config, "speculative_config", None)
     return Context(
         max_num_seqs=int(sched.max_num_seqs),
         max_num_batched_tokens=int(sched.max_num_batched_tokens),
@@ -209,18 +263,22 @@ def context(vllm_config, hf_config) -> Context:
         cp_rank=rank,
         cp_interleave=int(vllm_config.parallel_config.cp_kv_cache_interleave_size),
         pad_id=int(PAD_SLOT_ID),
+        block_size=int(getattr(cache, "block_size", None) or 0),
+        next_n=1 + int(getattr(spec, "num_speculative_tokens", None) or 0),
     )
 
 
 _thread: threading.Thread | None = None
+_ctx: Context | None = None
 
 
 def start(ctx: Context) -> None:
     """Compile in a background thread (overlapping the weight loading) for this thread's CUDA
     device (Triton keeps compiled kernels per device); never raises."""
-    global _thread
+    global _thread, _ctx
     import torch
 
+    _ctx = ctx
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     if device is not None:
         try:  # Triton's driver, created here rather than raced for by two threads
@@ -250,12 +308,24 @@ def start(ctx: Context) -> None:
 
 
 def finish(timeout: float = 300.0) -> None:
-    """Wait for `start`'s thread (at most `timeout` s; it goes on in the background after that)."""
-    global _thread
+    """Wait for `start`'s thread (at most `timeout` s; it goes on in the background after that),
+    then run `warm_deepgemm` on this thread, the loading one: DeepGEMM's JIT is not known to be
+    safe beside another thread's use of it, which the weight loading may make. Never raises."""
+    global _thread, _ctx
     if _thread is None:
         return
     _thread.join(timeout)
     if _thread.is_alive():
         logger.warning("cutedsl: vLLM's step-metadata kernels still compiling after %.0f s; "
                        "serving starts without waiting for them", timeout)  # fmt: skip
-    _thread = None
+    ctx, _thread, _ctx = _ctx, None, None
+    t0 = time.monotonic()
+    try:
+        n = warm_deepgemm(ctx)
+    except Exception as e:  # first use compiles it
+        logger.warning("cutedsl: warming DeepGEMM's paged MQA schedule kernel failed (%s: %s); "
+                       "it compiles on first use instead", type(e).__name__, e)  # fmt: skip
+        return
+    if n:
+        logger.info("cutedsl: DeepGEMM's paged MQA schedule kernel ready for %d batch classes "
+                    "in %.1f s", n, time.monotonic() - t0)  # fmt: skip
