@@ -28,8 +28,8 @@ And one DeepGEMM kernel, `smxx_paged_mqa_logits_metadata` (the indexer's decode 
 binary per batch size rounded up to 32 (`kAlignedBatchSize`,
 deep_gemm/scheduler/paged_mqa_logits.cuh); CUDA-graph capture meets only the classes of the
 capture sizes (with sizes 1 to 128 in powers of two, not 65 to 96 decodes), and a run at
-concurrency 128 compiled one mid-serving. `paged_mqa_batches(ctx)` lists one batch per class up to the most decode
-rows a step can have (`max_num_seqs` times the tokens per decode with MTP);
+concurrency 128 compiled one mid-serving. `paged_mqa_batches(ctx)` lists one batch per class up
+to the most decode rows a step can have (`max_num_seqs` times the tokens per decode with MTP);
 `warm_deepgemm` calls vLLM's function with the builder's own block size and SM count, once the
 weights have loaded (`finish`).
 
