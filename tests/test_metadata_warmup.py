@@ -417,3 +417,246 @@ def test_context_block_size_and_mtp_tokens() -> None:
     assert (ctx.block_size, ctx.next_n) == (256, 3)
     vcfg.speculative_config = None
     assert mw.context(vcfg, hf).next_n == 1
+
+
+# --------------------------------------------------------------- prefill gather kernels
+
+
+class _Cache(_Ptr):
+    """A KV cache argument: uint8, a block stride, an address."""
+
+    def __init__(self, block_stride: int, addr: int = 0):
+        super().__init__(torch.uint8, addr)
+        self._stride = block_stride
+
+    def stride(self, dim: int) -> int:
+        assert dim == 0
+        return self._stride
+
+    def dim(self) -> int:
+        return 3
+
+
+def _layer(ratio: int, table_stride: int = 40, swa_table_stride: int = 40, topk: int = 512):
+    return mw.GatherLayer(
+        compress_ratio=ratio, window_size=128, head_dim=512, max_model_len=10240,
+        max_num_batched_tokens=8192, topk_width=topk, swa_block_size=64,
+        swa_table_width=swa_table_stride, swa_table_stride=swa_table_stride,
+        **({} if ratio <= 1 else {"block_size": 256, "table_width": table_stride,
+                                  "table_stride": table_stride}),
+    )  # fmt: skip
+
+
+def _reachable_gather(layer: mw.GatherLayer, swa_cache, cache) -> set:
+    """Every specialization `_forward_prefill` (deepseek_v4_attention.py) and the two launchers
+    (cache_utils.py) produce, modelled call by call: decodes before the prefills 0..7, prefills
+    1..9 in chunks of PREFILL_CHUNK_SIZE, query rows 0..7 into each chunk's top-k slice."""
+    i32, bf16 = torch.int32, torch.bfloat16
+    base = 1 << 20  # every buffer starts aligned; slices move the address
+    c = mw.GATHER_CONSTANTS
+    swa_only = layer.compress_ratio <= 1
+    n = 0 if swa_only else -(-layer.max_model_len // layer.compress_ratio)
+    if swa_only or layer.compress_ratio == 4:
+        top_k, width = (0 if swa_only else layer.topk_width), layer.topk_width
+    else:
+        top_k = width = -(-n // 128) * 128  # FlashMLASparseMetadataBuilder.c128a_max_compressed
+    m = n + layer.window_size + layer.max_num_batched_tokens
+    d = layer.head_dim
+    combined = -(-(top_k + layer.window_size) // 128) * 128
+    out = set()
+    for decodes in range(8):
+        for prefills in range(1, 10):
+            for cs in range(0, prefills, 4):
+                row = decodes + cs
+                if not swa_only:
+                    table = _Ptr(i32, base + 4 * layer.table_stride * row)
+                    kw = {"max_blocks_per_seq": layer.table_width, "cache_block_size":
+                          layer.block_size // layer.compress_ratio,
+                          "block_stride": cache.stride(0), **c}  # fmt: skip
+                    out.add(_spec((bf16, m * d, d, cache, i32, table, 0, None), kw))
+                seq = _Ptr(i32, base + 4 * row)  # prefill_seq_lens = seq_lens[num_decodes:]
+                gl = _Ptr(i32, base + 4 * cs)  # fresh pfx_gather_lens
+                table = _Ptr(i32, base + 4 * layer.swa_table_stride * row)
+                kw = {"max_blocks_per_seq": layer.swa_table_width,
+                      "cache_block_size": layer.swa_block_size,
+                      "block_stride": swa_cache.stride(0), **c}  # fmt: skip
+                out.add(_spec((bf16, m * d, d, swa_cache, seq, table, n, gl), kw))
+                kw = {"TOP_K": top_k, "COMPRESS_RATIO": layer.compress_ratio,
+                      "WINDOW_SIZE": layer.window_size, "PADDED_TOP_K": mw.next_pow2(width)}  # fmt: skip
+                for qrow in range(8):
+                    topk = _Ptr(
+                        i32,
+                        base
+                        + 4
+                        * width
+                        * (qrow if top_k and not (layer.compress_ratio == 4) else decodes + qrow),
+                    )
+                    qsl = _Ptr(i32, base + 4 * row)
+                    args = (i32, combined, i32, topk, width, qsl, seq, gl, m, n)
+                    out.add(_spec(args, kw))
+    return out
+
+
+def _warmed_gather(layer, swa_cache, cache) -> set:
+    out = set()
+    for _name, args, kw in mw.gather_calls(layer, swa_cache, cache):
+        args = tuple(_Ptr(torch.int32, 4) if isinstance(a, str) else a for a in args)
+        out.add(_spec(args, kw))
+    return out
+
+
+@pytest.mark.parametrize("ratio", [4, 128, 1])
+@pytest.mark.parametrize(("table_stride", "topk"), [(40, 512), (41, 512), (40, 1022)])
+def test_gather_calls_cover_every_reachable_call(ratio: int, table_stride: int, topk: int) -> None:
+    """C4, C128 and sliding-window-only layers, block tables whose rows keep 16-byte alignment or
+    not, a top-k width that does not: the warmed specializations are exactly the reachable ones."""
+    layer = _layer(ratio, table_stride=table_stride, swa_table_stride=table_stride, topk=topk)
+    swa_cache, cache = _Cache(37440), _Cache(18688)
+    assert _warmed_gather(layer, swa_cache, cache) == _reachable_gather(layer, swa_cache, cache)
+    calls = mw.gather_calls(layer, swa_cache, cache)
+    assert len(calls) == len(_warmed_gather(layer, swa_cache, cache))  # none twice
+
+
+def test_gather_kernels_and_call_sites_are_vllms() -> None:
+    for name, (module, params) in mw.GATHER_KERNELS.items():
+        k = getattr(importlib.import_module(module), name)
+        fn = getattr(k, "fn", k)
+        assert tuple(inspect.signature(fn).parameters) == params, name
+    from vllm.model_executor.layers import deepseek_v4_attention as attn
+    from vllm.v1.attention.backends.mla import flashmla_sparse, sparse_swa
+    from vllm.v1.attention.ops.deepseek_v4_ops import cache_utils
+
+    assert attn.PREFILL_CHUNK_SIZE == 4  # the gather lengths' chunk slices stay aligned
+    # the overlay warms from forward, before the step's prefill and decode run
+    fwd = re.sub(
+        r"\s+", "", re.sub(r"#[^\n]*", "", inspect.getsource(attn.DeepseekV4MLAAttention.forward))
+    )
+    hook = (
+        "ifnotself._gather_warm:self._gather_warm=warm_prefill_gather(self,q,flashmla_metadata,"
+        "swa_metadata,self_kv_cache,swa_kv_cache)"
+    )
+    assert hook in fwd and fwd.index(hook) < fwd.index("ifnum_prefills>0:")
+    from vllm.v1.worker import workspace
+
+    # the BF16 workspace the gather writes: each view at a 256-byte offset (aligned)
+    assert "aligned_bytes=[round_up(actual,256)foractualinactual_bytes]" in _source(workspace)
+    pre = _source(attn.DeepseekV4MLAAttention._forward_prefill)
+    for want in (
+        "M=N+self.window_size+self.max_num_batched_tokens",
+        "N=(self.max_model_len+self.compress_ratio-1)//self.compress_ratio",
+        "kv=workspace_manager.get_simultaneous(((PREFILL_CHUNK_SIZE,M,q.shape[-1]),torch.bfloat16),)[0]",
+        "dequantize_and_gather_k_cache(kv[:chunk_size],compressed_k_cache,seq_lens=seq_lens["
+        "chunk_start:chunk_end]//self.compress_ratio,gather_lens=None,block_table=block_table["
+        "chunk_start:chunk_end],block_size=attn_metadata.block_size//self.compress_ratio,offset=0,)",
+        "block_table=attn_metadata.block_table[num_decodes:]",
+        "dequantize_and_gather_k_cache(kv[:chunk_size],swa_k_cache,seq_lens=seq_lens[chunk_start:"
+        "chunk_end],gather_lens=gather_lens[chunk_start:chunk_end],block_table=swa_block_table["
+        "chunk_start:chunk_end],block_size=swa_metadata.block_size,offset=N,)",
+        "swa_block_table=swa_metadata.block_table[num_decodes:]",
+        "combine_topk_swa_indices(topk_indices[query_start:query_end],query_start_loc[num_decodes+"
+        "chunk_start:num_decodes+chunk_end+1],seq_lens[chunk_start:chunk_end],gather_lens["
+        "chunk_start:chunk_end],self.window_size,self.compress_ratio,top_k,M,N,)",
+        "topk_indices=self.topk_indices_buffer[num_decode_tokens:]",
+        "topk_indices=attn_metadata.c128a_prefill_topk_indices",
+        "top_k=topk_indices.shape[-1]",
+    ):  # fmt: skip
+        assert want in pre, want
+    swa = _source(sparse_swa)
+    assert 'result["prefill_seq_lens"]=seq_lens[num_decodes:]' in swa
+    assert 'result["prefill_gather_lens"]=pfx_gather_lens' in swa
+    cu = _source(cache_utils)
+    for want in (
+        "_dequantize_and_gather_k_kernel[(num_reqs,NUM_WORKERS)](out,out.stride(0),out.stride(1),"
+        "k_cache,seq_lens,block_table,offset,gather_lens,max_blocks_per_seq=block_table.shape[-1],"
+        "fp8_dim=TOKEN_FP8_DIM,bf16_dim=TOKEN_BF16_DIM,scale_dim=TOKEN_SCALE_DIM,quant_block="
+        "QUANT_BLOCK_SIZE,cache_block_size=block_size,token_data_size=TOKEN_DATA_SIZE,block_stride="
+        "k_cache.stride(0),output_dim=512,fp8_max=FP8_MAX,n_quant_blocks=7,)",
+        "TOKEN_FP8_DIM=448TOKEN_BF16_DIM=64TOKEN_SCALE_DIM=8QUANT_BLOCK_SIZE=64FP8_MAX=448.0"
+        "TOKEN_DATA_SIZE=TOKEN_FP8_DIM+TOKEN_BF16_DIM*2",
+        "_combine_topk_swa_indices_kernel[(num_reqs,NUM_WORKERS)](combined_indices,"
+        "combined_indices.stride(0),combined_lens,topk_indices,topk_indices.stride(0),"
+        "query_start_loc,seq_lens,gather_lens,M,N,TOP_K=topk,COMPRESS_RATIO=compress_ratio,"
+        "WINDOW_SIZE=window_size,PADDED_TOP_K=triton.next_power_of_2(topk_indices.shape[-1]),)",
+        "combined_topk=((topk+window_size+_SPARSE_PREFILL_TOPK_ALIGNMENT-1)"
+        "//_SPARSE_PREFILL_TOPK_ALIGNMENT*_SPARSE_PREFILL_TOPK_ALIGNMENT)",
+        "combined_indices=torch.full(", "combined_lens=torch.empty(",
+    ):  # fmt: skip
+        assert want in cu, want
+    assert cache_utils._SPARSE_PREFILL_TOPK_ALIGNMENT == mw.SPARSE_PREFILL_TOPK_ALIGNMENT
+    fms = _source(flashmla_sparse)
+    assert (
+        "_C128A_TOPK_ALIGNMENT=128c128a_max_compressed=cdiv(self.model_config.max_model_len,"
+        "self.compress_ratio)c128a_max_compressed=(cdiv(c128a_max_compressed,_C128A_TOPK_ALIGNMENT)"
+        "*_C128A_TOPK_ALIGNMENT)" in fms
+    )
+    assert (
+        "self.c128a_prefill_buffer=torch.empty((max_num_batched_tokens,c128a_max_compressed),"
+        in fms
+    )
+    assert "prefill_local=prefill_buffer[:num_prefill_tokens]" in fms
+
+
+def _attn_layer(ratio: int):
+    return types.SimpleNamespace(
+        compress_ratio=ratio, window_size=128, max_model_len=10240, max_num_batched_tokens=8192,
+        topk_indices_buffer=torch.empty(8, 512, dtype=torch.int32),
+    )  # fmt: skip
+
+
+def _meta(width: int = 40, block_size: int = 256):
+    return types.SimpleNamespace(block_size=block_size,
+                                 block_table=torch.zeros(4, width, dtype=torch.int32))  # fmt: skip
+
+
+def test_warm_prefill_gather_compiles_each_layout_once(monkeypatch, caplog) -> None:
+    seen = []
+    k = types.SimpleNamespace(warmup=lambda *a, **kw: seen.append((a, kw)))
+    monkeypatch.setattr(mw, "_kernel", lambda name: k)
+    monkeypatch.setattr(mw, "_gather_done", set())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    _zeros_here(monkeypatch)
+    swa_cache, cache = (
+        torch.zeros(3, 4, 8, dtype=torch.uint8),
+        torch.zeros(3, 2, 8, dtype=torch.uint8),
+    )
+    q = torch.zeros(2, 4, 512, dtype=torch.bfloat16)
+    layer = _attn_layer(4)
+    with caplog.at_level(logging.INFO):
+        assert mw.warm_prefill_gather(layer, q, _meta(), _meta(block_size=64), cache, swa_cache)
+    want = mw.gather_calls(mw.GatherLayer(4, 128, 512, 10240, 8192, 512, 64, 40, 40, 256, 40, 40),
+                           swa_cache, cache)  # fmt: skip
+    assert len(seen) == len(want) > 0
+    for (args, kw), (_, wargs, wkw) in zip(seen, want):
+        assert kw.pop("grid") == (1, 1) and kw == wkw
+        for a, w in zip(args, wargs):
+            if isinstance(w, str):  # the unaligned int32 view
+                assert a.dtype == torch.int32 and a.data_ptr() % 16 == 4
+            else:
+                assert a is w or a == w
+    assert "prefill gather kernels ready for the compress-ratio-4 layers" in caplog.text
+    seen.clear()  # another layer of the same layout: nothing more
+    assert mw.warm_prefill_gather(
+        _attn_layer(4), q, _meta(), _meta(block_size=64), cache, swa_cache
+    )
+    assert seen == []
+
+
+def test_warm_prefill_gather_waits_for_caches_and_capture_and_never_raises(monkeypatch, caplog):
+    monkeypatch.setattr(mw, "_gather_done", set())
+    q = torch.zeros(2, 4, 512, dtype=torch.bfloat16)
+    swa_cache = torch.zeros(3, 4, 8, dtype=torch.uint8)
+    unbound = torch.tensor([])
+    # caches not bound, no metadata of a compressed layer: not yet
+    assert not mw.warm_prefill_gather(_attn_layer(4), q, _meta(), _meta(), unbound, swa_cache)
+    assert not mw.warm_prefill_gather(_attn_layer(4), q, None, _meta(), swa_cache, swa_cache)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not mw.warm_prefill_gather(_attn_layer(1), q, None, _meta(), None, swa_cache)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def broken(*a, **kw):
+        raise RuntimeError("ptxas died")
+
+    monkeypatch.setattr(mw, "_kernel", lambda name: types.SimpleNamespace(warmup=broken))
+    with caplog.at_level(logging.WARNING):  # a sliding-window-only layer: no compressed cache
+        assert mw.warm_prefill_gather(_attn_layer(1), q, None, _meta(), None, swa_cache)
+    assert "RuntimeError: ptxas died" in caplog.text and "compile on first use" in caplog.text

@@ -34,6 +34,7 @@ from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
     rocm_sparse_attn_prefill,
 )
 
+from cutedsl.vllm.metadata_warmup import warm_prefill_gather  # CuTeDSL: compile-before-serve
 from cutedsl.vllm.oproj import is_nvfp4_oproj, nvfp4_oproj  # CuTeDSL NVFP4 wo_a
 
 if TYPE_CHECKING:
@@ -730,6 +731,7 @@ class DeepseekV4MLAAttention(nn.Module, AttentionLayerBase):
             compilation_config.static_forward_context[prefix] = self
 
         self.kv_cache = torch.tensor([])
+        self._gather_warm = False  # CuTeDSL: prefill gather kernels compiled (warm_prefill_gather)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return DeepseekV4FlashMLASparseBackend
@@ -782,6 +784,10 @@ class DeepseekV4MLAAttention(nn.Module, AttentionLayerBase):
         # allocation, so self.kv_cache may be empty after profiling cleanup.
         self_kv_cache = self.kv_cache if not swa_only else None
         swa_kv_cache = self.swa_cache_layer.kv_cache
+        if not self._gather_warm:  # CuTeDSL: before serving (CUDA-graph capture's warm-up steps)
+            self._gather_warm = warm_prefill_gather(
+                self, q, flashmla_metadata, swa_metadata, self_kv_cache, swa_kv_cache
+            )
 
         # Split prefill and decode
         num_decodes = swa_metadata.num_decodes

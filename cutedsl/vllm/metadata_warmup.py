@@ -33,6 +33,17 @@ to the most decode rows a step can have (`max_num_seqs` times the tokens per dec
 `warm_deepgemm` calls vLLM's function with the builder's own block size and SM count, once the
 weights have loaded (`finish`).
 
+Two more Triton kernels run in every prefill step of every attention layer
+(`vllm/v1/attention/ops/deepseek_v4_ops/cache_utils.py`, called from `_forward_prefill` in
+deepseek_v4_attention.py): `_dequantize_and_gather_k_kernel` (the compressed and the sliding-window
+KV of each prefill chunk into a BF16 workspace) and `_combine_topk_swa_indices_kernel`. Their
+constexprs include the KV cache's layout (block-table width, cache block size, the cache's block
+stride in bytes), known only once the KV cache exists, so they are warmed from the attention layer
+itself on its first call with its caches and a step's metadata (`warm_prefill_gather`; CUDA-graph
+capture's warm-up steps come before serving), one call per specialization `gather_calls` lists:
+the slices of seq_lens, query_start_loc and the block tables start at the step's decode count, so
+each can be 16-byte aligned or not; everything else is fixed by the layer.
+
 `calls(ctx)` lists, per kernel, one call per specialization the call site can produce (a CPU test
 checks each list against every reachable call with Triton's own specialization function);
 `start(ctx)` compiles them in a background thread (`JITFunction.warmup`: compile only, nothing
@@ -72,6 +83,27 @@ KERNELS = {
     ),
 }  # fmt: skip
 INDEXER_RATIO = 4  # DSv4 runs its sparse-attention indexer on the compress-ratio-4 layers
+GATHER_KERNELS = {
+    "_dequantize_and_gather_k_kernel": (
+        "vllm.v1.attention.ops.deepseek_v4_ops.cache_utils",
+        ("out_ptr", "out_stride0", "out_stride1", "k_cache_ptr", "seq_lens_ptr", "block_table_ptr",
+         "offset", "gather_lens_ptr", "max_blocks_per_seq", "fp8_dim", "bf16_dim", "scale_dim",
+         "quant_block", "cache_block_size", "token_data_size", "block_stride", "output_dim",
+         "fp8_max", "n_quant_blocks"),
+    ),
+    "_combine_topk_swa_indices_kernel": (
+        "vllm.v1.attention.ops.deepseek_v4_ops.cache_utils",
+        ("combined_indices_ptr", "combined_indices_stride", "combined_lens_ptr", "topk_indices_ptr",
+         "topk_indices_stride", "query_start_loc_ptr", "seq_lens_ptr", "gather_lens_ptr", "M", "N",
+         "TOP_K", "COMPRESS_RATIO", "WINDOW_SIZE", "PADDED_TOP_K"),
+    ),
+}  # fmt: skip
+# dequantize_and_gather_k_cache's constants (cache_utils.py); the token layout of fp8_ds_mla
+GATHER_CONSTANTS = {"fp8_dim": 448, "bf16_dim": 64, "scale_dim": 8, "quant_block": 64,
+                    "token_data_size": 448 + 64 * 2, "output_dim": 512, "fp8_max": 448.0,
+                    "n_quant_blocks": 7}  # fmt: skip
+SPARSE_PREFILL_TOPK_ALIGNMENT = 128  # cache_utils.py: combined top-k rows are padded to this
+C128_TOPK_ALIGNMENT = 128  # flashmla_sparse.py: the C128 prefill top-k buffer's row alignment
 
 
 @dataclass(frozen=True)
@@ -177,6 +209,86 @@ def warm_deepgemm(ctx: Context) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class GatherLayer:
+    """What one attention layer's prefill gather calls specialize on, besides its two caches:
+    the layer's constants and the block tables' width and row stride (elements) and block sizes
+    from a step's metadata (the compressed ones 0 for a sliding-window-only layer)."""
+
+    compress_ratio: int  # <= 1: sliding window only
+    window_size: int
+    head_dim: int  # the last dim of q (the BF16 workspace rows)
+    max_model_len: int
+    max_num_batched_tokens: int
+    topk_width: int  # the indexer's top-k buffer width (index_topk)
+    swa_block_size: int
+    swa_table_width: int
+    swa_table_stride: int
+    block_size: int = 0
+    table_width: int = 0
+    table_stride: int = 0
+
+
+def _row_classes(*strides: int) -> list[tuple[bool, ...]]:
+    """For int32 tables with these row strides (elements) sliced from one common row: whether
+    each slice starts 16-byte aligned, every combination some row gives (4 int32 are 16 bytes,
+    so rows 0..3 give them all)."""
+    return sorted({tuple((s * r) % 4 == 0 for s in strides) for r in range(4)}, reverse=True)
+
+
+def gather_calls(
+    layer: GatherLayer, swa_k_cache: object, k_cache: object | None
+) -> list[tuple[str, tuple, dict]]:
+    """(kernel, args, kwargs) of one `warmup` call per specialization `_forward_prefill` can
+    produce for this layer: torch dtypes stand for aligned tensors, "unaligned" for an int32
+    view off a 16-byte boundary, the caches are passed as they are. The slices of seq_lens,
+    query_start_loc and the block tables start at one row (the step's decode count plus the
+    chunk's start), so their alignments go together (`_row_classes`); the top-k rows start at
+    any query; the gather lengths' slices start at chunk boundaries (PREFILL_CHUNK_SIZE 4 int32:
+    aligned); the other tensors are fresh."""
+    import torch
+
+    i32, bf16 = torch.int32, torch.bfloat16
+
+    def p(aligned: bool) -> object:
+        return i32 if aligned else "unaligned"
+
+    swa_only = layer.compress_ratio <= 1
+    if swa_only:
+        top_k, n_comp, topk_width = 0, 0, layer.topk_width
+    else:
+        n_comp = -(-layer.max_model_len // layer.compress_ratio)
+        if layer.compress_ratio == INDEXER_RATIO:
+            top_k = layer.topk_width
+        else:  # C128A: FlashMLASparseMetadataBuilder's c128a prefill buffer
+            top_k = -(-n_comp // C128_TOPK_ALIGNMENT) * C128_TOPK_ALIGNMENT
+        topk_width = top_k
+    m = n_comp + layer.window_size + layer.max_num_batched_tokens
+    d = layer.head_dim
+    out: list[tuple[str, tuple, dict]] = []
+    gather = "_dequantize_and_gather_k_kernel"
+    if not swa_only:
+        kw = {"max_blocks_per_seq": layer.table_width, "cache_block_size":
+              layer.block_size // layer.compress_ratio, "block_stride": k_cache.stride(0),
+              **GATHER_CONSTANTS}  # fmt: skip
+        for (t,) in _row_classes(layer.table_stride):
+            out.append((gather, (bf16, m * d, d, k_cache, i32, p(t), 0, None), kw))
+    kw = {"max_blocks_per_seq": layer.swa_table_width, "cache_block_size": layer.swa_block_size,
+          "block_stride": swa_k_cache.stride(0), **GATHER_CONSTANTS}  # fmt: skip
+    for sl, t in _row_classes(1, layer.swa_table_stride):  # seq_lens and the table: one row
+        out.append((gather, (bf16, m * d, d, swa_k_cache, p(sl), p(t), n_comp, i32), kw))
+    combined = -(-(top_k + layer.window_size) // SPARSE_PREFILL_TOPK_ALIGNMENT) * (
+        SPARSE_PREFILL_TOPK_ALIGNMENT
+    )
+    kw = {"TOP_K": top_k, "COMPRESS_RATIO": layer.compress_ratio,
+          "WINDOW_SIZE": layer.window_size, "PADDED_TOP_K": next_pow2(topk_width)}  # fmt: skip
+    for (tk,) in _row_classes(topk_width):  # top-k rows: the query's, any
+        for (r,) in _row_classes(1):  # query_start_loc and seq_lens: the chunk's first request
+            args = (i32, combined, i32, p(tk), topk_width, p(r), p(r), i32, m, n_comp)
+            out.append(("_combine_topk_swa_indices_kernel", args, kw))
+    return out
+
+
 def calls(ctx: Context) -> dict[str, list[tuple[tuple, dict]]]:
     """Per kernel, the (args, kwargs) of one `warmup` call per specialization; torch dtypes stand
     for aligned tensors (Triton's MockTensor), an int32 view one element into a buffer for the
@@ -209,14 +321,21 @@ def _kernel(name: str):
     """vLLM's kernel, or None where Triton is not usable (vLLM then has a placeholder)."""
     import importlib
 
-    k = getattr(importlib.import_module(KERNELS[name][0]), name, None)
+    module = (KERNELS.get(name) or GATHER_KERNELS[name])[0]
+    k = getattr(importlib.import_module(module), name, None)
     return k if hasattr(k, "warmup") else None
+
+
+def _unaligned_int32():
+    """An int32 view one element into a buffer on this device: a pointer off 16 bytes."""
+    import torch
+
+    return torch.zeros(8, dtype=torch.int32, device="cuda")[1:]
 
 
 def warm(ctx: Context, kernels: dict | None = None) -> tuple[int, list[str]]:
     """Compile every call of `calls(ctx)`: the number compiled or loaded, and one line per kernel
     that failed (the others go on). `kernels`: name -> Triton function (default: vLLM's)."""
-    import torch
 
     unaligned = None
     n, failed = 0, []
@@ -228,7 +347,7 @@ def warm(ctx: Context, kernels: dict | None = None) -> tuple[int, list[str]]:
             for args, kwargs in todo:
                 if "unaligned" in args:
                     if unaligned is None:
-                        unaligned = torch.zeros(8, dtype=torch.int32, device="cuda")[1:]
+                        unaligned = _unaligned_int32()
                     args = tuple(unaligned if a == "unaligned" else a for a in args)
                 k.warmup(*args, grid=(1,), **kwargs)
                 n += 1
@@ -329,3 +448,68 @@ def finish(timeout: float = 300.0) -> None:
     if n:
         logger.info("cutedsl: DeepGEMM's paged MQA schedule kernel ready for %d batch classes "
                     "in %.1f s", n, time.monotonic() - t0)  # fmt: skip
+
+
+_gather_done: set = set()
+
+
+def _cache_key(t) -> tuple | None:
+    """What a cache argument specializes on: dtype, block stride, 16-byte alignment."""
+    return None if t is None else (t.dtype, t.stride(0), t.data_ptr() % 16 == 0)
+
+
+def warm_prefill_gather(layer, q, attn_metadata, swa_metadata, k_cache, swa_k_cache) -> bool:
+    """From a DeepSeek V4 attention layer's forward: compile its prefill gather kernels for
+    every specialization `gather_calls` lists, once per distinct layout in this process, on this
+    thread. Whether the layer is done: True also after a failure (one warning; first use then
+    compiles), False during CUDA-graph capture (the next eager call does it). Never raises."""
+    import torch
+
+    compressed = layer.compress_ratio > 1
+    unbound = swa_k_cache is None or swa_k_cache.dim() < 2
+    if compressed:
+        unbound = unbound or attn_metadata is None or k_cache is None or k_cache.dim() < 2
+    if unbound:  # the caches not bound yet, or no metadata of this layer in the step
+        return False
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        buf = layer.topk_indices_buffer
+        tables = {}
+        if compressed:
+            tables = {"block_size": int(attn_metadata.block_size),
+                      "table_width": int(attn_metadata.block_table.shape[-1]),
+                      "table_stride": int(attn_metadata.block_table.stride(0))}  # fmt: skip
+        spec = GatherLayer(
+            compress_ratio=int(layer.compress_ratio),
+            window_size=int(layer.window_size),
+            head_dim=int(q.shape[-1]),
+            max_model_len=int(layer.max_model_len),
+            max_num_batched_tokens=int(layer.max_num_batched_tokens),
+            topk_width=int(buf.shape[-1]) if buf is not None else 0,
+            swa_block_size=int(swa_metadata.block_size),
+            swa_table_width=int(swa_metadata.block_table.shape[-1]),
+            swa_table_stride=int(swa_metadata.block_table.stride(0)),
+            **tables,
+        )
+        key = (spec, _cache_key(swa_k_cache), _cache_key(k_cache) if compressed else None)
+        if key in _gather_done:
+            return True
+        _gather_done.add(key)
+        t0, unaligned = time.monotonic(), None
+        todo = gather_calls(spec, swa_k_cache, k_cache)
+        for name, args, kwargs in todo:
+            kernel = _kernel(name)
+            if kernel is None:
+                return True
+            if any(isinstance(a, str) for a in args):
+                unaligned = unaligned if unaligned is not None else _unaligned_int32()
+                args = tuple(unaligned if isinstance(a, str) else a for a in args)
+            kernel.warmup(*args, grid=(1, 1), **kwargs)
+        logger.info("cutedsl: vLLM's prefill gather kernels ready for the compress-ratio-%d "
+                    "layers (%d specializations) in %.1f s", spec.compress_ratio, len(todo),
+                    time.monotonic() - t0)  # fmt: skip
+    except Exception as e:  # first use compiles what this did not
+        logger.warning("cutedsl: warming vLLM's prefill gather kernels failed (%s: %s); they "
+                       "compile on first use instead", type(e).__name__, e)  # fmt: skip
+    return True
