@@ -660,3 +660,45 @@ def test_warm_prefill_gather_waits_for_caches_and_capture_and_never_raises(monke
     with caplog.at_level(logging.WARNING):  # a sliding-window-only layer: no compressed cache
         assert mw.warm_prefill_gather(_attn_layer(1), q, None, _meta(), None, swa_cache)
     assert "RuntimeError: ptxas died" in caplog.text and "compile on first use" in caplog.text
+
+
+def test_each_warmed_kernel_is_loaded_with_its_launcher(monkeypatch) -> None:
+    """warm() and warm_prefill_gather() build each specialization's launcher (Triton builds it
+    on the first launch otherwise: a C compile mid-serving); a warmup that returns nothing
+    (no CompiledKernel) is left at that."""
+    inits = []
+
+    class Compiled:
+        def _init_handles(self):
+            inits.append(self)
+
+    k = types.SimpleNamespace(warmup=lambda *a, **kw: Compiled())
+    _zeros_here(monkeypatch)
+    n, failed = mw.warm(CTX, kernels={name: k for name in mw.KERNELS})
+    assert failed == [] and n == len(inits) > 0
+    inits.clear()
+    monkeypatch.setattr(mw, "_kernel", lambda name: k)
+    monkeypatch.setattr(mw, "_gather_done", set())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    q = torch.zeros(2, 4, 512, dtype=torch.bfloat16)
+    swa_cache = torch.zeros(3, 4, 8, dtype=torch.uint8)
+    assert mw.warm_prefill_gather(_attn_layer(1), q, None, _meta(), None, swa_cache)
+    assert len(inits) == len(mw.gather_calls(
+        mw.GatherLayer(1, 128, 512, 10240, 8192, 512, 256, 40, 40), swa_cache, None))  # fmt: skip
+    bare = types.SimpleNamespace(warmup=lambda *a, **kw: None)
+    assert mw.warm(CTX, kernels={"_compute_slot_mapping_kernel": bare})[1] == []
+
+
+def test_tritons_warmup_returns_the_kernel_and_init_builds_the_launcher() -> None:
+    """Triton 3.6 (torch 2.11's): JITFunction.warmup returns run(warmup=True)'s CompiledKernel,
+    whose _init_handles creates the launcher and loads the binary."""
+    import triton
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.jit import JITFunction
+
+    assert triton.__version__.startswith("3.6")
+    warm = _source(JITFunction.warmup)
+    assert "returnself.run(grid=grid,warmup=True," in warm
+    init = _source(CompiledKernel._init_handles)
+    assert "self._run=driver.active.launcher_cls(self.src,self.metadata)" in init
+    assert "driver.active.utils.load_binary(" in init

@@ -46,9 +46,10 @@ each can be 16-byte aligned or not; everything else is fixed by the layer.
 
 `calls(ctx)` lists, per kernel, one call per specialization the call site can produce (a CPU test
 checks each list against every reachable call with Triton's own specialization function);
-`start(ctx)` compiles them in a background thread (`JITFunction.warmup`: compile only, nothing
-launched; from Triton's disk cache when there) and `finish()` waits for it, then warms the
-DeepGEMM kernel. A failure only logs a warning: a kernel then compiles on first use, as it would
+`start(ctx)` compiles them in a background thread (`JITFunction.warmup`, from Triton's disk cache
+when there, then `_prepare`: the binary loaded and its launcher built, which Triton otherwise
+does at the first launch, a C compile per new signature; nothing is launched) and `finish()`
+waits for it, then warms the DeepGEMM kernel. A failure only logs a warning: a kernel then compiles on first use, as it would
 without this.
 """
 
@@ -326,6 +327,15 @@ def _kernel(name: str):
     return k if hasattr(k, "warmup") else None
 
 
+def _prepare(kernel, args: tuple, kwargs: dict) -> None:
+    """Compile one specialization (`JITFunction.warmup`, nothing launched), then load it and
+    build its launcher (`CompiledKernel._init_handles`, Triton 3.6), as its first launch would."""
+    compiled = kernel.warmup(*args, **kwargs)
+    init = getattr(compiled, "_init_handles", None)
+    if init is not None:
+        init()
+
+
 def _unaligned_int32():
     """An int32 view one element into a buffer on this device: a pointer off 16 bytes."""
     import torch
@@ -349,7 +359,7 @@ def warm(ctx: Context, kernels: dict | None = None) -> tuple[int, list[str]]:
                     if unaligned is None:
                         unaligned = _unaligned_int32()
                     args = tuple(unaligned if a == "unaligned" else a for a in args)
-                k.warmup(*args, grid=(1,), **kwargs)
+                _prepare(k, args, {"grid": (1,), **kwargs})
                 n += 1
         except Exception as e:  # this kernel then compiles on first use
             failed.append(f"{name}: {type(e).__name__}: {e}")
@@ -505,7 +515,7 @@ def warm_prefill_gather(layer, q, attn_metadata, swa_metadata, k_cache, swa_k_ca
             if any(isinstance(a, str) for a in args):
                 unaligned = unaligned if unaligned is not None else _unaligned_int32()
                 args = tuple(unaligned if isinstance(a, str) else a for a in args)
-            kernel.warmup(*args, grid=(1, 1), **kwargs)
+            _prepare(kernel, args, {"grid": (1, 1), **kwargs})
         logger.info("cutedsl: vLLM's prefill gather kernels ready for the compress-ratio-%d "
                     "layers (%d specializations) in %.1f s", spec.compress_ratio, len(todo),
                     time.monotonic() - t0)  # fmt: skip
