@@ -41,8 +41,9 @@ constexprs include the KV cache's layout (block-table width, cache block size, t
 stride in bytes), known only once the KV cache exists, so they are warmed from the attention layer
 itself on its first call with its caches and a step's metadata (`warm_prefill_gather`; CUDA-graph
 capture's warm-up steps come before serving), one call per specialization `gather_calls` lists:
-the slices of seq_lens, query_start_loc and the block tables start at the step's decode count, so
-each can be 16-byte aligned or not; everything else is fixed by the layer.
+the slices of seq_lens, query_start_loc and the block tables start at the row of a chunk's first
+prefill and the top-k slices at its first query, so they may start off a 16-byte boundary;
+everything else is fixed by the layer.
 
 `calls(ctx)` lists, per kernel, one call per specialization the call site can produce (a CPU test
 checks each list against every reachable call with Triton's own specialization function);
