@@ -85,6 +85,7 @@ KERNELS = {
     ),
 }  # fmt: skip
 INDEXER_RATIO = 4  # DSv4 runs its sparse-attention indexer on the compress-ratio-4 layers
+UNALIGNED = "unaligned"  # in a call's args: an int32 pointer off a 16-byte boundary
 GATHER_KERNELS = {
     "_dequantize_and_gather_k_kernel": (
         "vllm.v1.attention.ops.deepseek_v4_ops.cache_utils",
@@ -253,7 +254,7 @@ def gather_calls(
     i32, bf16 = torch.int32, torch.bfloat16
 
     def p(aligned: bool) -> object:
-        return i32 if aligned else "unaligned"
+        return i32 if aligned else UNALIGNED
 
     swa_only = layer.compress_ratio <= 1
     if swa_only:
@@ -313,7 +314,7 @@ def calls(ctx: Context) -> dict[str, list[tuple[tuple, dict]]]:
     if INDEXER_RATIO in ctx.compress_ratios:
         kw = {"BLOCK_SIZE": 1024, "COMPRESS_RATIO": INDEXER_RATIO}
         out["_build_prefill_chunk_metadata_kernel"] = [
-            ((i32, i32 if al else "unaligned", i32, i32, i32, i32, a, b), kw)
+            ((i32, i32 if al else UNALIGNED, i32, i32, i32, i32, a, b), kw)
             for al, a, b in prefill_chunk_cases()
         ]
     return out
@@ -337,31 +338,31 @@ def _prepare(kernel, args: tuple, kwargs: dict) -> None:
         init()
 
 
-def _unaligned_int32():
-    """An int32 view one element into a buffer on this device: a pointer off 16 bytes."""
+def _prepare_all(kernel, todo, grid: tuple[int, ...]) -> int:
+    """`_prepare` each (args, kwargs) of `todo`, UNALIGNED replaced by an int32 view one element
+    into a buffer on this device (made once); the number prepared."""
     import torch
 
-    return torch.zeros(8, dtype=torch.int32, device="cuda")[1:]
+    unaligned = None
+    for args, kwargs in todo:
+        if any(isinstance(a, str) and a == UNALIGNED for a in args):
+            if unaligned is None:
+                unaligned = torch.zeros(8, dtype=torch.int32, device="cuda")[1:]
+            args = tuple(unaligned if isinstance(a, str) and a == UNALIGNED else a for a in args)
+        _prepare(kernel, args, {"grid": grid, **kwargs})
+    return len(todo)
 
 
 def warm(ctx: Context, kernels: dict | None = None) -> tuple[int, list[str]]:
     """Compile every call of `calls(ctx)`: the number compiled or loaded, and one line per kernel
     that failed (the others go on). `kernels`: name -> Triton function (default: vLLM's)."""
 
-    unaligned = None
     n, failed = 0, []
     for name, todo in calls(ctx).items():
         try:
             k = _kernel(name) if kernels is None else kernels.get(name)
-            if k is None:
-                continue
-            for args, kwargs in todo:
-                if "unaligned" in args:
-                    if unaligned is None:
-                        unaligned = _unaligned_int32()
-                    args = tuple(unaligned if a == "unaligned" else a for a in args)
-                _prepare(k, args, {"grid": (1,), **kwargs})
-                n += 1
+            if k is not None:
+                n += _prepare_all(k, todo, (1,))
         except Exception as e:  # this kernel then compiles on first use
             failed.append(f"{name}: {type(e).__name__}: {e}")
     return n, failed
@@ -507,16 +508,13 @@ def warm_prefill_gather(layer, q, attn_metadata, swa_metadata, k_cache, swa_k_ca
         if key in _gather_done:
             return True
         _gather_done.add(key)
-        t0, unaligned = time.monotonic(), None
+        t0 = time.monotonic()
         todo = gather_calls(spec, swa_k_cache, k_cache)
-        for name, args, kwargs in todo:
+        for name in dict.fromkeys(name for name, _, _ in todo):
             kernel = _kernel(name)
-            if kernel is None:
+            if kernel is None:  # no Triton here: vLLM has placeholders
                 return True
-            if any(isinstance(a, str) for a in args):
-                unaligned = unaligned if unaligned is not None else _unaligned_int32()
-                args = tuple(unaligned if isinstance(a, str) else a for a in args)
-            _prepare(kernel, args, {"grid": (1, 1), **kwargs})
+            _prepare_all(kernel, [(a, kw) for n, a, kw in todo if n == name], (1, 1))
         logger.info("cutedsl: vLLM's prefill gather kernels ready for the compress-ratio-%d "
                     "layers (%d specializations) in %.1f s", spec.compress_ratio, len(todo),
                     time.monotonic() - t0)  # fmt: skip
