@@ -173,6 +173,8 @@ def _device() -> str:
 
 
 def _commit() -> str:
+    """HEAD of this checkout (+ whether tracked files changed); where the checkout has no git
+    metadata (a copy of the tree), $COMMIT as the caller names it, else "unknown"."""
     repo = Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
@@ -181,7 +183,7 @@ def _commit() -> str:
                                 "--untracked-files=no"], capture_output=True, text=True).stdout  # fmt: skip
         return sha + (" (with local changes)" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("COMMIT") or "unknown"
 
 
 def save(out: Path, record: dict) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -84,3 +85,16 @@ def test_cold_then_warm_and_a_lazy_compile(tmp_path: Path) -> None:
 def test_no_compile_after_healthy(tmp_path: Path) -> None:
     rec = _run(tmp_path, "cold", "eager", impl="upstream")
     assert rec["compiles_after_healthy"] == 0 and rec["new_cache_files"] == []
+
+
+def test_commit_outside_a_git_checkout_is_the_callers(tmp_path, monkeypatch):
+    """A copy of the tree without .git names the commit the caller gives in $COMMIT."""
+
+    def no_git(cmd, **kw):
+        raise subprocess.CalledProcessError(128, cmd)
+
+    monkeypatch.setattr(startup.subprocess, "run", no_git)
+    monkeypatch.setenv("COMMIT", "abc1234")
+    assert startup._commit() == "abc1234"
+    monkeypatch.delenv("COMMIT")
+    assert startup._commit() == "unknown"
