@@ -218,6 +218,37 @@ def test_swiglu_columns_and_table(tmp_path):
     assert "n/a: routed w13" not in text
 
 
+def test_stream_columns_and_candidates(tmp_path):
+    """The stream impl's columns: ours / stream and copy / stream for a dense decode row, "n/a"
+    (not a note) on the others; its candidates hold M, fit shared memory and cover both row
+    blocks."""
+    from cutedsl.sm90.kernels.stream import Sm90Nvfp4StreamGemmKernel
+
+    rows = _synthetic_rows()
+    r = rows[0]  # flash fused_wqa_wkv M=1, ours 10 us, copy 4 us
+    r.update(stream_us=5.0, stream_tactic="s16x8w8d4", stream_sweep_us={"s16x8w8d4": 5.0})
+    B.finalize_row(r, 4000.0)
+    assert (r["x_stream"], r["pct_copy_time_stream"]) == (2.0, 80.0)
+    for other in rows[1:]:
+        other["stream_error"] = "n/a: dense / grouped, M <= 32"
+        B.finalize_row(other, 4000.0)
+        assert other["x_stream"] is None
+    md = tmp_path / "r.md"
+    meta = dict(command="c", date="d", device="fake", versions=B.versions(), header=[])
+    B.write_outputs("", str(md), meta, rows)
+    text = md.read_text()
+    assert "| 5.0 | s16x8w8d4 | 80.0 | 2.00 |" in text
+    assert "n/a: dense / grouped" not in text
+    for m, tokens in ((1, 8), (8, 8), (9, 16), (32, 32)):
+        cands = B.stream_candidates(m)
+        assert cands and {t.tokens for t in cands} == {tokens}
+        assert {t.rows for t in cands} == {16, 32}
+        assert all(
+            Sm90Nvfp4StreamGemmKernel.config_error(t.rows, t.tokens, t.warps, t.depth) is None
+            for t in cands
+        )
+
+
 def test_json_and_md_writers(tmp_path):
     rows = _synthetic_rows()
     meta = dict(

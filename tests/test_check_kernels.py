@@ -40,3 +40,13 @@ def test_a_register_limit_fails() -> None:
     tight = dataclasses.replace(target, max_registers=16)
     r = check_kernels.run_target(module, tight)
     assert not r.ok and any("<= 16 registers" in x for x in r.missing), r
+
+
+def test_a_forbidden_instruction_fails() -> None:
+    """The absence check bites: forbidding an instruction the kernel uses fails the check."""
+    import dataclasses
+
+    module, target = next((m, t) for m, t in TARGETS if m == "cutedsl.sm90.kernels.stream")
+    forbid = dataclasses.replace(target, absent_patterns=(r"mma\.sync\.aligned",))
+    r = check_kernels.run_target(module, forbid)
+    assert not r.ok and r.missing == [r"no PTX mma\.sync\.aligned"], r

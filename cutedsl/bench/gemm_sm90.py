@@ -49,6 +49,11 @@ Columns:
   SwiGLU kernel (`swiglu_sep_us`, the default path) against the same GEMM with the SwiGLU fused
   into its epilogue (`swiglu_fused_us`, `CUTEDSL_SM90_FUSED_SWIGLU=1`), limit 10, same routings
   and timing; `x_swiglu_fused` = sep / fused.
+- stream (asked for by name; dense and grouped rows with M <= 32): the streaming decode kernel
+  (`cutedsl.sm90.kernels.stream`, forced with a `StreamTactic`) in every `stream_candidates`
+  configuration, same weight copies and timing as ours: `stream_us` the fastest, `stream_tactic`
+  its configuration, `stream_sweep_us` each; `x_stream` = ours us / stream_us (> 1: the streaming
+  kernel is faster), `pct_copy_time_stream` = copy_us / stream_us.
 - quack (asked for by name, with --quack-env FILE): quack-kernels' CuTeDSL `gemm_w4a16` (NVFP4)
   on the dense shapes, in the Python environment FILE sets up (quack 0.6.x needs a newer
   nvidia-cutlass-dsl than ours), run once before our measurements by `cutedsl.bench.quack_anchor`
@@ -367,7 +372,8 @@ def new_row(model: str, shape: Shape, m: int) -> dict:
         "deepgemm_total_us deepgemm_rows deepgemm_weight_GBps x_cublas x_marlin x_deepgemm "
         "x_deepgemm_total quack_us quack_rel_err quack_tactic x_quack ours_error cublas_error "
         "marlin_error deepgemm_error copy_error quack_error sweep_us best_tactic best_us "
-        "swiglu_sep_us swiglu_fused_us x_swiglu_fused swiglu_error"
+        "swiglu_sep_us swiglu_fused_us x_swiglu_fused swiglu_error stream_us stream_tactic "
+        "stream_sweep_us pct_copy_time_stream x_stream stream_error"
     ).split():
         r[key] = None
     return r
@@ -412,6 +418,9 @@ def finalize_row(r: dict, copy_bw: float | None) -> dict:
         ("x_quack", "quack_us"),
     ):
         r[key] = round(r[col] / t, 2) if t and r[col] else None
+    st = r.get("stream_us")
+    r["x_stream"] = round(t / st, 2) if t and st else None
+    r["pct_copy_time_stream"] = rnd(100 * r["copy_us"] / st, 1) if st and r["copy_us"] else None
     sep, fused = r["swiglu_sep_us"], r["swiglu_fused_us"]
     r["x_swiglu_fused"] = round(sep / fused, 2) if sep and fused else None
     return r
@@ -624,6 +633,70 @@ def bench_swiglu(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget
         print(f"  swiglu   {shape.name:20s} M={m:6d} sep={r['swiglu_sep_us']} "
               f"fused={r['swiglu_fused_us']} {r['swiglu_error'] or ''}")  # fmt: skip
     del wp, wpf
+    torch.cuda.empty_cache()
+
+
+def stream_candidates(m: int) -> list:
+    """The streaming decode configurations timed for M tokens (--impls stream): the narrowest
+    token width that holds M, each row block, 4 / 8 / 16 warps, 2 / 4 / 8 stages, where they fit
+    shared memory."""
+    from cutedsl.sm90.kernels.stream import ROWS, TOKENS, Sm90Nvfp4StreamGemmKernel
+    from cutedsl.sm90.tactics import StreamTactic
+
+    tokens = min(t for t in TOKENS if t >= m)
+    cfgs = [(r, tokens, w, d) for r in ROWS for w in (4, 8, 16) for d in (2, 4, 8)]
+    return [StreamTactic(*c) for c in cfgs if Sm90Nvfp4StreamGemmKernel.config_error(*c) is None]
+
+
+def bench_stream(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget) -> None:
+    """Dense and grouped rows with M <= 32: every `stream_candidates` configuration of the
+    streaming decode kernel on the weight copies `bench_ours` rotates; "stream_us" the fastest,
+    "stream_tactic" its configuration, "stream_sweep_us" all of them."""
+    from cutedsl.sm90.kernels.stream import TOKENS
+
+    todo = [m for m in ms if m <= TOKENS[-1]]
+    for m in ms:
+        if shape.kind == "moe" or m > TOKENS[-1]:
+            rows_by_m[m]["stream_error"] = "n/a: dense / grouped, M <= 32"
+    if shape.kind == "moe" or not todo:
+        return
+    try:
+        from cutedsl.sm90 import gemm
+
+        g, n, k = shape.groups, shape.n, shape.k
+        wps = [random_prepared_weight(g, n, k) for _ in range(_copies(weight_bytes(g, n, k)))]
+        cands = {m: stream_candidates(m) for m in todo}
+        jit.prefetch(gemm.stream_jobs({t for ts in cands.values() for t in ts}))
+    except Exception as e:  # noqa: BLE001 - one implementation failing never stops the run
+        _set(rows_by_m, todo, "stream_error", _err(e))
+        return
+    for m in todo:
+        r = rows_by_m[m]
+        try:
+            if shape.kind == "grouped":
+                a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
+                call = gemm.grouped
+            else:
+                a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                call = gemm.linear
+            flops = 2.0 * m * n * k * g
+            times = {}
+            for t in cands[m]:
+                if not budget.fits(f"stream {shape.name} M={m} {t}"):
+                    break
+                fns = [lambda wp=wp, t=t: call(a, wp, out=out, tactic=t) for wp in wps]
+                fns[0]()  # compile outside capture
+                times[str(t)] = round(budget.measure(lambda: graph_time_us(fns, _reps(flops))), 2)
+            if times:
+                best = min(times, key=times.get)
+                r["stream_us"], r["stream_tactic"], r["stream_sweep_us"] = times[best], best, times
+        except Exception as e:  # noqa: BLE001
+            r["stream_error"] = _err(e)
+        print(f"  stream   {shape.name:20s} M={m:6d} us={r['stream_us']} {r['stream_tactic']} "
+              f"{r['stream_error'] or ''}")  # fmt: skip
+    del wps
     torch.cuda.empty_cache()
 
 
@@ -1108,6 +1181,10 @@ MD_COLS = [  # (header, key, format); the copy columns only for M <= 32
     ("(DG+quant)/ours", "x_deepgemm_total", ".2f"),
     ("quack us", "quack_us", ".1f"),
     ("quack/ours", "x_quack", ".2f"),
+    ("stream us", "stream_us", ".1f"),
+    ("stream tactic", "stream_tactic", "s"),
+    ("copy us / stream (%)", "pct_copy_time_stream", ".1f"),
+    ("ours/stream", "x_stream", ".2f"),
     ("notes", "notes", "s"),
 ]
 
@@ -1116,15 +1193,21 @@ def _cell(r: dict, key: str, fmt: str) -> str:
     if key == "notes":
         errs = [
             f"{w}: {r[f'{w}_error']}"
-            for w in ("ours", "cublas", "marlin", "deepgemm", "copy", "quack", "swiglu")
+            for w in ("ours", "cublas", "marlin", "deepgemm", "copy", "quack", "swiglu", "stream")
             if r.get(f"{w}_error")
             and not str(r[f"{w}_error"]).startswith(
-                ("n/a: Marlin column", "n/a: no Marlin", "n/a: quack", "n/a: routed w13")
+                (
+                    "n/a: Marlin column",
+                    "n/a: no Marlin",
+                    "n/a: quack",
+                    "n/a: routed w13",
+                    "n/a: dense / grouped",
+                )
             )
         ]
         return "; ".join(errs).replace("|", "/")
     v = r.get(key)
-    if key in ("pct_copy_bw", "copy_us", "pct_copy_time") and r["M"] > 32:
+    if key in ("pct_copy_bw", "copy_us", "pct_copy_time", "pct_copy_time_stream") and r["M"] > 32:
         return ""
     if v is None:
         if key == "deepgemm_us" and str(r.get("deepgemm_error") or "").startswith("n/a"):
@@ -1132,6 +1215,8 @@ def _cell(r: dict, key: str, fmt: str) -> str:
         if key == "marlin_us" and str(r.get("marlin_error") or "").startswith("n/a"):
             return "n/a"
         if key == "quack_us" and str(r.get("quack_error") or "").startswith("n/a"):
+            return "n/a"
+        if key == "stream_us" and str(r.get("stream_error") or "").startswith("n/a"):
             return "n/a"
         return "-"
     if fmt == "t":
@@ -1244,7 +1329,7 @@ def versions() -> dict:
 
 
 IMPLS = ("ours", "cublas", "marlin", "deepgemm", "copy")  # the default
-ALL_IMPLS = (*IMPLS, "quack", "swiglu")  # only by name: quack (with --quack-env), swiglu
+ALL_IMPLS = (*IMPLS, "quack", "swiglu", "stream")  # only by name: quack (--quack-env), ...
 EXAMPLES = [
     "python -m cutedsl.bench.gemm_sm90 --json r/gemm.json --md r/gemm.md   # every shape and M",
     "python -m cutedsl.bench.gemm_sm90 --model flash --ms 1,16,4096 --shapes wq_b,wo_b "
@@ -1260,6 +1345,8 @@ EXAMPLES = [
     "--impls ours,copy   # fixed cost vs streaming rate",
     "python -m cutedsl.bench.gemm_sm90 --model all --shapes 'routed_w13(E=256),routed_w13(E=384)' "
     "--ms 1,4,16,64,512,4096 --impls swiglu   # SwiGLU fused into w13 vs its own kernel",
+    "python -m cutedsl.bench.gemm_sm90 --model all --ms 1,4,16,32 --impls ours,stream,copy "
+    "   # the streaming decode kernel",
 ]
 
 
@@ -1449,6 +1536,8 @@ def main(argv: list[str] | None = None) -> int:
             fill_quack(f"{mdl}.{shape.name}", shape, ms, rows_by_m, quack)
         if "swiglu" in impls:
             bench_swiglu(shape, ms, rows_by_m, budget)
+        if "stream" in impls:
+            bench_stream(shape, ms, rows_by_m, budget)
         rows += [finalize_row(rows_by_m[m], copy_bw) for m in ms]
         meta["stopped_early"] = budget.stopped
         write_outputs(args.json, args.md, meta, rows)

@@ -19,11 +19,13 @@ class KernelTarget:
     ptx_patterns: tuple[str, ...]  # regexes that must all occur in the PTX
     sass_patterns: tuple[str, ...] = ()  # regexes that must all occur in the SASS
     max_registers: int | None = None  # registers per thread the cubin may use (occupancy rules)
+    absent_patterns: tuple[str, ...] = ()  # regexes that must not occur in the PTX
 
 
 # Modules that define check_targets(); a module missing here is a module CI does not compile.
 KERNEL_MODULES: tuple[str, ...] = (
     "cutedsl.sm90.kernels.gemm",
+    "cutedsl.sm90.kernels.stream",
     "cutedsl.sm90.kernels.moe_routing",
     "cutedsl.sm90.kernels.swiglu",
     "cutedsl.sm100.kernels.gemm",

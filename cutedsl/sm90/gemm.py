@@ -10,7 +10,9 @@ E experts, T routed rows (MoE).
       the clamped SwiGLU in its epilogue: the bits of moe() then `cutedsl.sm90.swiglu`)
 
 BF16 activations and outputs, fp32 accumulation; `wp` is a `cutedsl.sm90.weight.Weight`. Without a
-forced `tactic`, a launch takes `tactics.launch_tactic` for its M on its GPU.
+forced `tactic`, a launch takes `tactics.launch_tactic` for its M on its GPU. A forced
+`tactics.StreamTactic` runs a dense / grouped launch of at most its `tokens` rows on the streaming
+decode kernel (`cutedsl.sm90.kernels.stream`: same operands, another summation order).
 Compile cache: `cutedsl.jit`, keyed on the compile-time values only (the Tactic, the MoE flag and a
 fused SwiGLU's limit);
 M, N, K, the group count, strides and addresses are runtime values (fake tensors with symbolic
@@ -30,6 +32,7 @@ from cutedsl import jit
 from cutedsl.sm90.tactics import (
     MAX_GRID_Y,
     TILE_M_VERIFIED,
+    StreamTactic,
     Tactic,
     gpu_spec,
     launch_tactic,
@@ -54,6 +57,41 @@ def _build(
         tile_n, tile_m, split_k, moe, no_jit_engine=no_jit_engine, swiglu=swiglu,
         swiglu_limit=swiglu_limit,
     )  # fmt: skip
+
+
+def _build_stream(
+    rows: int, tokens: int, warps: int, depth: int, no_jit_engine: bool = False
+) -> object:
+    from cutedsl.sm90.kernels.stream import compile_kernel
+
+    return compile_kernel(rows, tokens, warps, depth, no_jit_engine=no_jit_engine)
+
+
+def stream_jobs(tactics: Iterable[StreamTactic]) -> list[jit.Job]:
+    """The `jit.Job` of each streaming decode configuration, in a stable order."""
+    return [
+        jit.Job(_build_stream, (t.rows, t.tokens, t.warps, t.depth), ()) for t in sorted(tactics)
+    ]
+
+
+def _launch_stream(
+    a3: torch.Tensor, wp: Weight, out3: torch.Tensor, moe: bool, tactic: StreamTactic
+) -> None:
+    """Check a forced StreamTactic against the launch, then run it."""
+    from cutedsl.sm90.kernels.stream import Sm90Nvfp4StreamGemmKernel as K
+
+    err = K.config_error(tactic.rows, tactic.tokens, tactic.warps, tactic.depth)
+    if err:
+        raise ValueError(f"tactic {tactic}: {err}")
+    if moe:
+        raise NotImplementedError(f"tactic {tactic}: the streaming kernel has no MoE mode")
+    m = a3.shape[1]
+    if m > tactic.tokens:
+        raise ValueError(f"a: {m} rows, tactic {tactic} takes at most {tactic.tokens}")
+    if not K.can_implement(wp.n, wp.k, tactic.rows):
+        raise ValueError(f"tactic {tactic}: N = {wp.n} is not a multiple of {tactic.rows} rows")
+    args = (tactic.rows, tactic.tokens, tactic.warps, tactic.depth)
+    jit.compiled(_build_stream, *args)(*kernel_operands(a3, wp, out3, None))
 
 
 def _epilogue_kwargs(swiglu: bool, swiglu_limit: float | None) -> dict:
@@ -114,7 +152,7 @@ def _launch(
     wp: Weight,
     out3: torch.Tensor,  # (La, M, N) bf16, `_check_rows`
     offs: torch.Tensor | None,
-    tactic: Tactic | None,
+    tactic: Tactic | StreamTactic | None,
     swiglu: bool = False,
     swiglu_limit: float | None = None,
 ) -> None:
@@ -122,6 +160,11 @@ def _launch(
     `swiglu`, out3 has N / 2 columns."""
     la, m, k = a3.shape
     moe = offs is not None
+    if isinstance(tactic, StreamTactic):
+        if swiglu:
+            raise NotImplementedError(f"tactic {tactic}: the streaming kernel has no SwiGLU")
+        _launch_stream(a3, wp, out3, moe, tactic)
+        return
     if tactic is None:
         tactic = launch_tactic(m, wp.n, k, wp.groups, moe, gpu_spec(a3.device))
     if tactic.tile_m not in TILE_M_VERIFIED:
@@ -160,7 +203,7 @@ def linear(
     a: torch.Tensor,  # (M, K) bf16, `validate.rows_addressable` (e.g. a column slice)
     wp: Weight,  # one group
     out: torch.Tensor | None = None,  # (M, N) bf16
-    tactic: Tactic | None = None,
+    tactic: Tactic | StreamTactic | None = None,
 ) -> torch.Tensor:
     """out = a @ dequant(wp)^T, fp32 accumulation, BF16 out. M may be 0. The kernel reads the
     rows of `a` through its row stride: a column slice of a wider tensor needs no copy."""
@@ -181,7 +224,7 @@ def grouped(
     a: torch.Tensor,  # (G, M, K) bf16, `_check_rows` (e.g. x[T, G, K].transpose(0, 1))
     wp: Weight,  # G groups
     out: torch.Tensor | None = None,  # (G, M, N) bf16, `_check_rows`
-    tactic: Tactic | None = None,
+    tactic: Tactic | StreamTactic | None = None,
 ) -> torch.Tensor:
     """out[g] = a[g] @ dequant(wp[g])^T for G equal groups (wo_a). a and out are strided views:
     a token-major [T, G, K] input and [T, G, N] output need no copies."""
@@ -203,7 +246,7 @@ def moe(
     offs: torch.Tensor,  # (E+1,) int32 on the device: expert e owns rows [offs[e], offs[e+1])
     wp: Weight,  # E groups
     out: torch.Tensor | None = None,  # (T, N) bf16; with swiglu (T, N/2)
-    tactic: Tactic | None = None,
+    tactic: Tactic | StreamTactic | None = None,
     *,
     swiglu: bool = False,
     swiglu_limit: float | None = None,

@@ -39,6 +39,22 @@ class Tactic:
         return f"{self.tile_n}x{self.tile_m}x{self.split_k}"
 
 
+@dataclass(frozen=True, order=True)
+class StreamTactic:
+    """A configuration of the streaming decode kernel (`cutedsl.sm90.kernels.stream`): `rows`
+    (16 | 32) weight rows per warp and CTA, up to `tokens` (8 | 16 | 32) tokens, K split over
+    `warps` warps, a `depth`-stage copy ring per warp. Dense / grouped launches of at most
+    `tokens` rows; only taken when forced (`gemm.linear(..., tactic=...)`)."""
+
+    rows: int
+    tokens: int
+    warps: int
+    depth: int
+
+    def __str__(self) -> str:
+        return f"s{self.rows}x{self.tokens}w{self.warps}d{self.depth}"
+
+
 @dataclass(frozen=True)
 class GpuSpec:
     """What the choice reads of the GPU: its name (selects the tuned table) and SM count."""

@@ -5,7 +5,8 @@
 
 Each target (`cutedsl.kernels.checks.KernelTarget`) compiles in a fresh subprocess with
 `CUTE_DSL_ARCH=<arch>` and the PTX/cubin dumped to a temporary directory; the PTX must match every
-`ptx_patterns` regex and the SASS (cuobjdump of the cubin) every `sass_patterns` regex.
+`ptx_patterns` regex and none of its `absent_patterns`, and the SASS (cuobjdump of the cubin) every
+`sass_patterns` regex.
 Exit status 0 only when every selected target compiled and matched.
 """
 
@@ -117,6 +118,7 @@ def run_target(module: str, target: KernelTarget, timeout_s: float = 600.0) -> R
         ptx = "\n".join(p.read_text(errors="replace") for p in ptx_files)
         arch_num = target.arch.removeprefix("sm_")
         missing = [p for p in target.ptx_patterns if not re.search(p, ptx)]
+        missing += [f"no PTX {p}" for p in target.absent_patterns if re.search(p, ptx)]
         if not re.search(rf"\.target\s+sm_{arch_num}\b", ptx):
             missing.append(f"PTX .target sm_{arch_num}")
         if target.sass_patterns:

@@ -1,0 +1,339 @@
+"""Hopper (sm_90a) NVFP4 W4A16 decode GEMM for a few tokens: each warp streams its weights through
+its own copy ring, dequantizes them in registers and multiplies on the tensor cores (`mma.sync`).
+
+Same operands and math as `cutedsl.sm90.kernels.gemm` (dense and grouped, not MoE):
+  out[l][m, n] = gs[l] * sum_k a[l][m, k] * (e2m1(w[l][n, k]) * sf[l][n, k // 16])
+  a   (M, K, L)    bf16, K-major (token and group strides: any multiples of 8)   activations
+  w   (N, K/2, L)  uint8, K-major, the sm90 weight encoding (cutedsl.sm90.weight)
+  sf  (N, K/64, L) int32, N-major, 4 e5m3 block-scale codes per word
+  gs  (L,)         fp32 global scale (weight_scale_2)
+  out (N, M, L)    bf16, N-major (token and group strides: any multiples of 8)
+  offs             ignored (the operand list of the tiled kernel, so both launch alike)
+with M <= tokens (the compile-time token width: 8, 16 or 32).
+
+Design (for decode, where a GEMM reads each weight byte once and the tensor cores idle): no TMA,
+no mbarrier, no CTA-wide ring. The sm90 encoding already stores, per weight row and 64-wide K
+tile, the 8 bytes each lane of an `mma.sync.m16n8k16` A fragment needs (lane c = lane % 4 of the
+quad owning the row: words q = 0, 1 for the K blocks 2q, 2q + 1), so every lane copies exactly the
+bytes it will use: per K tile, 8 weight bytes and one scale word for each of its rows (rows g and
+g + 8 of each 16-row block, g = lane / 4) and one activation word per k pair and n8 token tile
+(token 8 t + g, clamped to the last token so no copy leaves `a`; columns past M are computed and
+dropped). The copies are `cp.async` (LDGSTS: no register holds them in flight) into the warp's own
+`depth`-stage ring in shared memory, one commit group per K tile; a lane waits only for its own
+groups and reads back only its own bytes, so no barrier orders the ring in the mainloop. The
+weights are decoded with the tiled kernel's register decode (`cutedsl.sm90.kernels.decode`).
+
+Work split: CTA (x, 0, l) owns weight rows [x * rows, (x + 1) * rows) of group l; its `warps` warps
+split K: warp w takes K tiles w, w + warps, w + 2 warps, ..., keeping depth - 1 of them in flight
+(depth x (48 rows + 128 tokens) bytes of ring per warp) while it multiplies the oldest.
+
+Epilogue: each warp parks its fp32 fragments in its ring (per 16-row block and n8 token tile:
+8 token rows of 16 floats, pitch 20 floats, so the lanes of one store hit distinct banks); after
+one CTA barrier, thread u sums output (row u % 16, token (u // 16) % 8 of its block) over the warps
+in warp order (deterministic, the same bits on every run), scales by gs * 2^19 (DECODE_BIAS),
+rounds to bf16 and stores it; 16 consecutive threads write 32 contiguous bytes.
+
+Compile-time: rows (16 | 32: 16-row blocks per warp), tokens (8 | 16 | 32: n8 tiles), warps
+(1..16) and depth (2..16: stages per warp ring). Runtime: M, N, K, L, strides, pointers, stream.
+Graph safety: no host sync; the grid is (N / rows, 1, L).
+Constraints: N % rows == 0, K % 64 == 0, 1 <= M <= tokens.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from cutedsl.kernels import device_utils as du
+from cutedsl.kernels.checks import KernelTarget
+from cutedsl.sm90.kernels import decode as dec
+from cutedsl.sm90.kernels.gemm import fake_operands
+from cutedsl.sm90.weight import DECODE_BIAS
+
+BK = 64  # logical K per tile of the weight encoding
+PITCH = 20  # floats per parked token row (16 outputs + 4: conflict-free stores)
+BLOCK = 8 * PITCH  # floats per parked 16-row x n8 block
+SMEM_CAPACITY = 232448
+ROWS = (16, 32)
+TOKENS = (8, 16, 32)
+MAX_WARPS = 16
+MAX_DEPTH = 16
+
+
+# ------------------------------------------------------------------------------ PTX helpers
+
+
+@dsl_user_op
+def cp_async(dst: Int32, src: Int64, nbytes: int, *, loc=None, ip=None) -> None:
+    """Copy `nbytes` (4 or 8) from global `src` to shared `dst` without a register (LDGSTS)."""
+    ops = [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)]
+    text = f"cp.async.ca.shared.global [$0], [$1], {nbytes};"
+    du.asm(None, ops, text, "r,l", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_shared_f32(addr: Int32, *, loc=None, ip=None) -> Float32:
+    """fp32 from a shared-memory byte address; volatile, so it stays after the CTA barrier."""
+    ops = [Int32(addr).ir_value(loc=loc, ip=ip)]
+    text = "ld.shared.f32 $0, [$1];"
+    return Float32(du.asm(T.f32(), ops, text, "=f,r", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def mma_16816_bf16(acc: tuple, a: tuple, b: tuple, *, loc=None, ip=None) -> tuple:
+    """acc (4 fp32) += A (16 x 16 bf16: 4 words, the PTX row-major fragment) x B (16 x 8 bf16:
+    2 words, the column-major fragment); one `mma.sync.aligned.m16n8k16` (HMMA.16816.F32.BF16)."""
+    ops = [Int32(x).ir_value(loc=loc, ip=ip) for x in (*a, *b)]
+    ops += [Float32(x).ir_value(loc=loc, ip=ip) for x in acc]
+    ty = ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>")
+    text = (
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
+    )
+    res = du.asm(ty, ops, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc=loc, ip=ip)
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+# ------------------------------------------------------------------------------ kernel
+
+
+class Sm90Nvfp4StreamGemmKernel:
+    """W4A16 NVFP4 decode GEMM for sm_90a (module docstring). `__init__` takes codegen
+    configuration only."""
+
+    def __init__(self, rows: int = 16, tokens: int = 8, warps: int = 8, depth: int = 4):
+        err = self.config_error(rows, tokens, warps, depth)
+        if err:
+            raise ValueError(err)
+        self.rows, self.tokens, self.warps, self.depth = rows, tokens, warps, depth
+        self.rb = rows // 16  # 16-row blocks per warp
+        self.nt = tokens // 8  # n8 token tiles
+        self.threads = 32 * warps
+        self.warp_bytes = self.region_bytes(rows, tokens, depth)
+
+    @staticmethod
+    def stage_bytes(rows: int, tokens: int) -> int:
+        """One ring stage of one warp: per lane, the 8 weight bytes and the scale word of each of
+        its rows / 8 rows, and 8 activation words per n8 token tile (item-major: lane-contiguous
+        items, so each item's shared load is conflict-free)."""
+        return (rows // 8) * 32 * (8 + 4) + (tokens // 8) * 8 * 32 * 4
+
+    @staticmethod
+    def region_bytes(rows: int, tokens: int, depth: int) -> int:
+        """One warp's shared memory: its ring, which its parked fragments reuse afterwards."""
+        park = (rows // 16) * (tokens // 8) * BLOCK * 4
+        return max(depth * Sm90Nvfp4StreamGemmKernel.stage_bytes(rows, tokens), park)
+
+    @staticmethod
+    def config_error(rows: int, tokens: int, warps: int, depth: int) -> str | None:
+        """Why the kernel refuses this configuration (None if it takes it)."""
+        if rows not in ROWS:
+            return f"rows must be one of {ROWS}, got {rows}"
+        if tokens not in TOKENS:
+            return f"tokens must be one of {TOKENS}, got {tokens}"
+        if not 1 <= warps <= MAX_WARPS:
+            return f"warps must be 1..{MAX_WARPS}, got {warps}"
+        if not 2 <= depth <= MAX_DEPTH:
+            return f"depth must be 2..{MAX_DEPTH}, got {depth}"
+        need = warps * Sm90Nvfp4StreamGemmKernel.region_bytes(rows, tokens, depth)
+        if need > SMEM_CAPACITY:
+            return f"{warps} warps x {depth} stages need {need} B of shared memory"
+        return None
+
+    @staticmethod
+    def can_implement(n: int, k: int, rows: int) -> bool:
+        """GPU-free shape check (M is checked at launch)."""
+        return n > 0 and k > 0 and n % rows == 0 and k % BK == 0
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,  # (M, K, L) bf16 K-major
+        w: cute.Tensor,  # (N, K/2, L) uint8 K-major (sm90 encoding)
+        sf: cute.Tensor,  # (N, K/64, L) int32 N-major (e5m3 x 4)
+        gs: cute.Tensor,  # (L,) fp32
+        out: cute.Tensor,  # (N, M, L) bf16, N-major
+        offs: cute.Tensor,  # ignored
+        stream: cuda.CUstream,
+    ):
+        self.out_dtype = out.element_type
+
+        @cute.struct
+        class SharedStorage:
+            ring: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, self.warps * self.warp_bytes], 16
+            ]
+
+        self.shared_storage = SharedStorage
+        grid = (cute.size(w, mode=[0]) // self.rows, 1, cute.size(w, mode=[2]))
+        self.kernel(a, w, sf, gs, out).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mGS: cute.Tensor,
+               mC: cute.Tensor):  # fmt: skip
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, grp = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        g = lane // 4  # the row (and token) of this lane in its quad's 8
+        c = lane % 4  # the lane's K pair in each 8-wide K half
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ring0 = storage.ring.data_ptr().toint()
+        ring = ring0 + warp * self.warp_bytes  # this warp's region
+
+        m_cnt = cute.size(mA, mode=[0])
+        k_tiles = cute.size(mS, mode=[1])
+        n0 = bidx * self.rows
+        mine = (k_tiles - warp + self.warps - 1) // self.warps  # tiles w, w + warps, ...
+
+        # Global byte addresses at K tile 0: a tile adds 32 weight bytes, one scale row (s_step)
+        # and 128 activation bytes. Token 8 t + g is clamped to the last token.
+        w_base = mW.iterator.toint()
+        s_base = mS.iterator.toint()
+        a_base = mA.iterator.toint()
+        s_step = Int64(cute.crd2idx((0, 1, 0), mS.layout)) * 4
+        w_src, s_src, a_src = [], [], []
+        for r in cutlass.range_constexpr(self.rb):
+            for h in cutlass.range_constexpr(2):  # rows g and g + 8 of block r
+                n = n0 + 16 * r + 8 * h + g
+                w_src.append(w_base + Int64(cute.crd2idx((n, c * 8, grp), mW.layout)))
+                s_src.append(s_base + Int64(cute.crd2idx((n, 0, grp), mS.layout)) * 4)
+        for t in cutlass.range_constexpr(self.nt):
+            tok = cutlass.min(8 * t + g, m_cnt - 1)
+            a_src.append(a_base + Int64(cute.crd2idx((tok, c * 2, grp), mA.layout)) * 2)
+        # this lane's items in a stage: weights (8 B), scales, activations (4 B each)
+        nw = 2 * self.rb
+        w_dst = ring + lane * 8
+        s_dst = ring + nw * 256 + lane * 4
+        a_dst = ring + nw * 384 + lane * 4
+        stage = self.stage_bytes(self.rows, self.tokens)
+        loads = (w_src, s_src, a_src, s_step, w_dst, s_dst, a_dst, stage)
+
+        acc = cute.make_rmem_tensor((self.rb * self.nt * 4,), cutlass.Float32)
+        acc.fill(0.0)
+        # ring of `depth` stages: tile i in stage i % depth; one copy group per tile (empty past
+        # the last), so waiting for all but depth - 1 groups lands tile i
+        for i in cutlass.range_constexpr(self.depth - 1):
+            if i < mine:
+                self._issue(warp + self.warps * i, i, loads)
+            cute.arch.cp_async_commit_group()
+        for i in cutlass.range(mine, unroll=1):
+            nxt = i + self.depth - 1
+            if nxt < mine:
+                self._issue(warp + self.warps * nxt, nxt % self.depth, loads)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(self.depth - 1)
+            self._tile(acc, ring + (i % self.depth) * stage, lane)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_warp()  # every lane's copies landed before any lane parks over them
+
+        # ---------------------------------------------------------------- epilogue
+        for r in cutlass.range_constexpr(self.rb):
+            for t in cutlass.range_constexpr(self.nt):
+                blk = ring + (r * self.nt + t) * (BLOCK * 4)
+                for e in cutlass.range_constexpr(4):  # token 2 c + e % 2, row g + 8 (e // 2)
+                    addr = blk + ((2 * c + e % 2) * PITCH + g + 8 * (e // 2)) * 4
+                    du.st_shared_f32xn(addr, (acc[(r * self.nt + t) * 4 + e],))
+        cute.arch.barrier()
+        scale = mGS[grp] * DECODE_BIAS  # the decode's products are e2m1·sf·2^-19
+        outputs = self.rb * self.nt * 128
+        for it in cutlass.range_constexpr((outputs + self.threads - 1) // self.threads):
+            u = tidx + it * self.threads
+            if u < outputs:
+                blk = u // 128  # = r * nt + t
+                tok = 8 * (blk % self.nt) + (u % 128) // 16
+                row = n0 + 16 * (blk // self.nt) + u % 16
+                if tok < m_cnt:
+                    off = ring0 + (blk * BLOCK + ((u % 128) // 16) * PITCH + u % 16) * 4
+                    s = ld_shared_f32(off)
+                    for wi in cutlass.range_constexpr(1, self.warps):
+                        s = s + ld_shared_f32(off + wi * self.warp_bytes)
+                    mC[row, tok, grp] = (s * scale).to(self.out_dtype)
+
+    @cute.jit
+    def _issue(self, kt, slot, loads):
+        """Copy this lane's bytes of K tile kt into ring stage `slot`."""
+        w_src, s_src, a_src, s_step, w_dst, s_dst, a_dst, stage = loads
+        kt64 = Int64(kt)
+        off = slot * stage
+        for i in cutlass.range_constexpr(2 * self.rb):
+            cp_async(w_dst + off + i * 256, w_src[i] + kt64 * 32, 8)
+            cp_async(s_dst + off + i * 128, s_src[i] + kt64 * s_step, 4)
+        for t in cutlass.range_constexpr(self.nt):
+            for j in cutlass.range_constexpr(8):  # k = 64 kt + 8 j + 2 c (+1)
+                cp_async(a_dst + off + (t * 8 + j) * 128, a_src[t] + kt64 * 128 + 16 * j, 4)
+
+    @cute.jit
+    def _tile(self, acc, base, lane):
+        """The MMAs of the K tile in the ring stage at `base`: 4 k16 steps x rows/16 blocks x
+        tokens/8 tiles. Word q of a row holds the pairs of K blocks 2q (pairs 0, 1: k 2c,
+        2c + 8) and 2q + 1 (pairs 2, 3); rows g (h = 0) and g + 8 (h = 1) of block r."""
+        nw = 2 * self.rb
+        bw = [du.ld_shared_v2_b32(base + i * 256 + lane * 8) for i in range(nw)]
+        bs = [du.ld_shared_b32(base + nw * 256 + i * 128 + lane * 4) for i in range(nw)]
+        ba = [du.ld_shared_b32(base + nw * 384 + x * 128 + lane * 4) for x in range(self.nt * 8)]
+        for r in cutlass.range_constexpr(self.rb):
+            pairs = []  # [h][q] -> 4 decoded bf16x2 words
+            for h in cutlass.range_constexpr(2):
+                s01, s23 = dec.e5m3x4_to_bf16x2x2(bs[2 * r + h])
+                w0, w1 = bw[2 * r + h]
+                pairs.append((dec.nvfp4x8_to_bf16x2x4(w0, s01), dec.nvfp4x8_to_bf16x2x4(w1, s23)))
+            for j in cutlass.range_constexpr(4):  # k16 step: K block j of the tile
+                q, p = j // 2, 2 * (j % 2)
+                afrag = (pairs[0][q][p], pairs[1][q][p], pairs[0][q][p + 1], pairs[1][q][p + 1])
+                for t in cutlass.range_constexpr(self.nt):
+                    bfrag = (ba[t * 8 + 2 * j], ba[t * 8 + 2 * j + 1])
+                    x = (r * self.nt + t) * 4
+                    res = mma_16816_bf16((acc[x], acc[x + 1], acc[x + 2], acc[x + 3]), afrag, bfrag)
+                    for e in cutlass.range_constexpr(4):
+                        acc[x + e] = res[e]
+
+
+# ------------------------------------------------------------------------------ compile
+
+
+def compile_kernel(
+    rows: int, tokens: int, warps: int, depth: int, *, no_jit_engine: bool = False
+) -> object:
+    """cute.compile one configuration from fake tensors (the tiled kernel's dense / grouped
+    operands: TVM-FFI, env stream); `no_jit_engine` compiles without loading (no GPU needed)."""
+    kernel = Sm90Nvfp4StreamGemmKernel(rows=rows, tokens=tokens, warps=warps, depth=depth)
+    kw = {"no_jit_engine": True} if no_jit_engine else {}
+    return cute.compile(kernel, *fake_operands(False), options="--enable-tvm-ffi", **kw)
+
+
+def check_targets() -> list[KernelTarget]:
+    """Every row block and token width, at several warp counts and depths: each must copy its
+    weights with 8-byte `cp.async` (LDGSTS) into its ring, wait on copy groups, multiply with
+    `mma.sync` m16n8k16 (HMMA.16816 in SASS) through the register decode, park and sum its
+    fragments in shared memory, and use no TMA and no wgmma."""
+    ptx = (
+        r"cp\.async\.ca\.shared\.global \[%r\d+\], \[%rd\d+\], 8;",
+        r"cp\.async\.wait_group \d+;",
+        r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32",
+        r"shf\.l\.wrap\.b32",
+        r"mul\.rn\.bf16x2",
+        r"prmt\.b32",
+        r"st\.shared\.f32",
+        r"ld\.shared\.f32",
+        r"bar\.sync",
+    )
+    sass = (r"HMMA\.16816\.F32\.BF16", r"LDGSTS\.E\.(LTC128B\.)?64", r"LDGDEPBAR", r"DEPBAR")
+    variants = [(16, 8, 8, 8), (16, 16, 8, 4), (32, 8, 4, 4), (16, 32, 4, 2), (32, 16, 16, 2)]
+    return [
+        KernelTarget(
+            name=f"sm90.stream_gemm.r{r}t{t}w{w}d{d}",
+            arch="sm_90a",
+            compile=lambda r=r, t=t, w=w, d=d: compile_kernel(r, t, w, d, no_jit_engine=True),
+            ptx_patterns=ptx,
+            sass_patterns=sass,
+            absent_patterns=(r"wgmma", r"cp\.async\.bulk"),
+        )
+        for r, t, w, d in variants
+    ]

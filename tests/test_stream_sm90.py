@@ -1,0 +1,218 @@
+"""sm_90a streaming decode GEMM (cutedsl/sm90/kernels/stream.py; forced through
+`cutedsl.sm90.gemm` with a `StreamTactic`).
+
+CPU: every check target compiles for sm_90a with its cp.async ring, mma.sync and the register
+decode; configuration limits; what a launch refuses before compiling.
+GPU (sm90): kernel vs fp32 torch math on the same quantized operands, fresh random data, outputs
+poisoned with NaN; every configuration, edge token counts, K tiles fewer than warps, grouped
+token-major views, determinism.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cutedsl import formats
+from cutedsl.sm90 import gemm as G
+from cutedsl.sm90 import weight as W
+from cutedsl.sm90.kernels import stream
+from cutedsl.sm90.tactics import StreamTactic
+from cutedsl.tools import check_kernels
+
+TARGETS = stream.check_targets()
+K = stream.Sm90Nvfp4StreamGemmKernel
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=[t.name for t in TARGETS])
+def test_variant_compiles_for_sm90a_with_mma_sync(target) -> None:
+    r = check_kernels.run_target("cutedsl.sm90.kernels.stream", target)
+    assert r.ok, f"{target.name}: {r.error or 'missing ' + ', '.join(r.missing)}"
+
+
+def test_check_targets_cover_every_row_block_and_token_width() -> None:
+    cfgs = {tuple(int(x) for x in t.name.split(".")[-1][1:].replace("t", " ").replace("w", " ")
+                  .replace("d", " ").split()) for t in TARGETS}  # fmt: skip
+    assert {r for r, *_ in cfgs} == set(stream.ROWS)
+    assert {t for _, t, *_ in cfgs} == set(stream.TOKENS)
+    assert all("wgmma" in t.absent_patterns for t in TARGETS)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "msg"),
+    [
+        ((24, 8, 8, 4), "rows must be one of"),
+        ((16, 12, 8, 4), "tokens must be one of"),
+        ((16, 8, 0, 4), "warps must be 1..16"),
+        ((16, 8, 17, 4), "warps must be 1..16"),
+        ((16, 8, 8, 1), "depth must be 2..16"),
+        ((32, 32, 16, 16), "need .* B of shared memory"),
+    ],
+)
+def test_configuration_limits_are_refused(cfg, msg) -> None:
+    with pytest.raises(ValueError, match=msg):
+        K(*cfg)
+
+
+def test_ring_and_park_sizes() -> None:
+    """A stage holds per lane 12 bytes per row pair and 32 per token tile; the parked
+    fragments (8 token rows of 20 floats per block) fit the region they reuse."""
+    assert K.stage_bytes(16, 8) == 2 * 32 * 12 + 8 * 32 * 4
+    assert K.stage_bytes(32, 32) == 4 * 32 * 12 + 4 * 8 * 32 * 4
+    for r in stream.ROWS:
+        for t in stream.TOKENS:
+            park = (r // 16) * (t // 8) * stream.BLOCK * 4
+            assert K.region_bytes(r, t, 2) >= park
+            assert K.region_bytes(r, t, 2) >= 2 * K.stage_bytes(r, t)
+
+
+def _cpu_weight(n: int, k: int, groups: int = 1):
+    packed = torch.randint(0, 256, (groups, n, k // 2), dtype=torch.uint8)
+    sf = (torch.rand(groups, n, k // 16) * 4 + 2**-7).to(torch.float8_e4m3fn)
+    return W.prepare_weight(packed, sf, torch.rand(groups) * 0.02 + 0.001)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "tactic", "err", "msg"),
+    [
+        (9, 256, StreamTactic(16, 8, 8, 4), ValueError, "9 rows, tactic s16x8w8d4 takes at most 8"),
+        (4, 256, StreamTactic(16, 12, 8, 4), ValueError, "tokens must be one of"),
+        (4, 272, StreamTactic(32, 8, 8, 4), ValueError, "N = 272 is not a multiple of 32"),
+    ],
+)
+def test_launch_refuses_before_compiling(m, n, tactic, err, msg) -> None:
+    """Checked on the host, before any compile or device work (CPU tensors)."""
+    wp = _cpu_weight(n if n % 64 == 0 else 320, 128)
+    if n % 64:  # a weight whose N is a multiple of 16 but not of 32 (not a prepared shape)
+        wp = W.Weight(wp.w[:, :n], wp.sf[:, :, :n], wp.gs, n, wp.k, 1)
+    a = torch.randn(m, 128, dtype=torch.bfloat16)
+    with pytest.raises(err, match=msg):
+        G.linear(a, wp, out=torch.empty(m, n, dtype=torch.bfloat16), tactic=tactic)
+
+
+def test_moe_and_swiglu_are_refused() -> None:
+    wp = _cpu_weight(128, 128, groups=2)
+    a = torch.randn(4, 128, dtype=torch.bfloat16)
+    offs = torch.tensor([0, 2, 4], dtype=torch.int32)
+    t = StreamTactic(16, 8, 8, 4)
+    with pytest.raises(NotImplementedError, match="no MoE mode"):
+        G.moe(a, offs, wp, tactic=t)
+    with pytest.raises(NotImplementedError, match="no SwiGLU"):
+        G.moe(a, offs, wp, tactic=t, swiglu=True, swiglu_limit=10.0)
+
+
+def test_stream_jobs_are_stable_and_distinct() -> None:
+    ts = [StreamTactic(32, 8, 4, 4), StreamTactic(16, 8, 8, 4), StreamTactic(16, 8, 8, 4)]
+    jobs = G.stream_jobs(set(ts))
+    assert [j.args for j in jobs] == [(16, 8, 8, 4), (32, 8, 4, 4)]
+
+
+# ------------------------------------------------------------------------------------- GPU
+
+
+def _rand_weight(groups: int, n: int, k: int):
+    packed = torch.randint(0, 256, (groups, n, k // 2), dtype=torch.uint8, device="cuda")
+    sf = (torch.rand(groups, n, k // 16, device="cuda") * 4 + 2**-7).to(torch.float8_e4m3fn)
+    gs = torch.rand(groups, device="cuda") * 0.02 + 0.001
+    return packed, sf, gs
+
+
+def _ref(a, packed, sf, gs):
+    return a.float() @ formats.dequantize_nvfp4(packed, sf, gs, dtype=torch.float32).t()
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert not torch.isnan(out).any(), f"{what}: NaN left in output (an element was not written)"
+    err = (out.float() - ref).abs()
+    tol = 8e-3 * ref.abs() + 2e-3 * ref.abs().max().clamp_min(1e-6)
+    bad = err > tol
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} elements off, max err {err.max().item():.4g}, "
+        f"first at {bad.nonzero()[0].tolist()}"
+    )
+
+
+def _poison(shape) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+CONFIGS = [
+    (16, 8, 8, 4),
+    (16, 8, 8, 8),
+    (16, 8, 16, 2),
+    (32, 8, 4, 4),
+    (16, 16, 8, 4),
+    (32, 16, 16, 2),
+    (16, 32, 4, 2),
+    (32, 32, 8, 2),
+    (16, 8, 1, 3),  # one warp: no cross-warp sum
+]
+SHAPES = [  # (name, N, K): DSv4-Flash decode shapes and K tile counts below, at and off the warps
+    ("flash.fused_wqa_wkv", 1536, 4096),
+    ("flash.wq_b", 32768, 1024),
+    ("flash.wo_b", 4096, 8192),
+    ("three_k_tiles", 256, 192),
+    ("odd_k_tiles", 128, 64 * 13),
+]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["r{}t{}w{}d{}".format(*c) for c in CONFIGS])
+@pytest.mark.parametrize(("name", "n", "k"), SHAPES, ids=[s[0] for s in SHAPES])
+def test_dense_every_configuration(cfg, name: str, n: int, k: int) -> None:
+    t = StreamTactic(*cfg)
+    packed, sf, gs = _rand_weight(1, n, k)
+    wp = W.prepare_weight(packed, sf, gs)
+    for m in sorted({1, 3, t.tokens // 2 + 1, t.tokens}):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = _poison((m, n))
+        G.linear(a, wp, out=out, tactic=t)
+        _assert_close(out, _ref(a, packed[0], sf[0], gs[0]), f"{name} {t} M={m}")
+
+
+@pytest.mark.sm90
+def test_rows_past_m_are_not_written_and_a_column_slice_is_read_in_place() -> None:
+    """M = 5 of an 8-token tile: the output rows around it stay untouched; `a` is a column slice
+    of a wider tensor (row stride 2K)."""
+    n, k = 512, 1024
+    packed, sf, gs = _rand_weight(1, n, k)
+    wp = W.prepare_weight(packed, sf, gs)
+    wide = torch.randn(5, 2 * k, device="cuda", dtype=torch.bfloat16)
+    a = wide[:, k:]
+    buf = _poison((7, n))
+    G.linear(a, wp, out=buf[1:6], tactic=StreamTactic(16, 8, 8, 4))
+    assert buf[0].isnan().all() and buf[6].isnan().all(), "rows outside the output were written"
+    _assert_close(buf[1:6], _ref(a, packed[0], sf[0], gs[0]), "column slice M=5")
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_grouped_token_major_views(m: int) -> None:
+    """wo_a as the model holds it: x [T, G, D] in, [T, G, R] out, as transposed views."""
+    g, r, d = 8, 1024, 4096
+    packed, sf, gs = _rand_weight(g, r, d)
+    wp = W.prepare_weight(packed, sf, gs)
+    x = torch.randn(m, g, d, device="cuda", dtype=torch.bfloat16)
+    out = _poison((m, g, r))
+    G.grouped(x.transpose(0, 1), wp, out=out.transpose(0, 1), tactic=StreamTactic(16, 16, 8, 4))
+    ref = torch.stack([_ref(x[:, i], packed[i], sf[i], gs[i]) for i in range(g)], dim=1)
+    _assert_close(out, ref, f"grouped token-major M={m}")
+
+
+@pytest.mark.sm90
+def test_deterministic_and_graph_capturable() -> None:
+    """The same bits on every run, eagerly and replayed from a CUDA graph."""
+    n, k, m = 4096, 8192, 4
+    packed, sf, gs = _rand_weight(1, n, k)
+    wp = W.prepare_weight(packed, sf, gs)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    t = StreamTactic(16, 8, 16, 4)
+    first = G.linear(a, wp, tactic=t)
+    again = G.linear(a, wp, tactic=t)
+    out = _poison((m, n))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        G.linear(a, wp, out=out, tactic=t)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(first, again) and torch.equal(first, out)
