@@ -55,10 +55,12 @@ def test_configuration_limits_are_refused(cfg, msg) -> None:
 
 
 def test_ring_and_park_sizes() -> None:
-    """A stage holds per lane 12 bytes per row pair and 32 per token tile; the parked
+    """A stage holds per lane 12 bytes per row pair, and per token tile 8 activation rows of
+    64 k padded to 144 B (ldmatrix's 8 row addresses then hit distinct bank groups); the parked
     fragments (8 token rows of 20 floats per block) fit the region they reuse."""
-    assert K.stage_bytes(16, 8) == 2 * 32 * 12 + 8 * 32 * 4
-    assert K.stage_bytes(32, 32) == 4 * 32 * 12 + 4 * 8 * 32 * 4
+    assert K.stage_bytes(16, 8) == 2 * 32 * 12 + 8 * 144
+    assert K.stage_bytes(32, 32) == 4 * 32 * 12 + 4 * 8 * 144
+    assert len({(r * stream.A_ROW // 16) % 8 for r in range(8)}) == 8
     for r in stream.ROWS:
         for t in stream.TOKENS:
             park = (r // 16) * (t // 8) * stream.BLOCK * 4

@@ -16,16 +16,18 @@ no mbarrier, no CTA-wide ring. The sm90 encoding already stores, per weight row 
 tile, the 8 bytes each lane of an `mma.sync.m16n8k16` A fragment needs (lane c = lane % 4 of the
 quad owning the row: words q = 0, 1 for the K blocks 2q, 2q + 1), so every lane copies exactly the
 bytes it will use: per K tile, 8 weight bytes and one scale word for each of its rows (rows g and
-g + 8 of each 16-row block, g = lane / 4) and one activation word per k pair and n8 token tile
-(token 8 t + g, clamped to the last token so no copy leaves `a`; columns past M are computed and
-dropped). The copies are `cp.async` (LDGSTS: no register holds them in flight) into the warp's own
-`depth`-stage ring in shared memory, one commit group per K tile; a lane waits only for its own
-groups and reads back only its own bytes, so no barrier orders the ring in the mainloop. The
-weights are decoded with the tiled kernel's register decode (`cutedsl.sm90.kernels.decode`).
+g + 8 of each 16-row block, g = lane / 4). The activations of each n8 token tile (token 8 t + g,
+clamped to the last token so no copy leaves `a`; columns past M are computed and dropped) are
+copied as whole 16-byte k chunks (lane (g, c): chunks c and c + 4 of token g) and read back as
+B fragments with two `ldmatrix.x4` per K tile. The copies are `cp.async` (LDGSTS: no register
+holds them in flight) into the warp's own `depth`-stage ring in shared memory, one commit group
+per K tile; a lane waits for its own groups, then a warp sync makes the other lanes' activation
+chunks visible: no CTA barrier in the mainloop. The weights are decoded with the tiled kernel's
+register decode (`cutedsl.sm90.kernels.decode`).
 
 Work split: CTA (x, 0, l) owns weight rows [x * rows, (x + 1) * rows) of group l; its `warps` warps
 split K: warp w takes K tiles w, w + warps, w + 2 warps, ..., keeping depth - 1 of them in flight
-(depth x (48 rows + 128 tokens) bytes of ring per warp) while it multiplies the oldest.
+(depth x (48 rows + 144 tokens) bytes of ring per warp) while it multiplies the oldest.
 
 Epilogue: each warp parks its fp32 fragments in its ring (per 16-row block and n8 token tile:
 8 token rows of 16 floats, pitch 20 floats, so the lanes of one store hit distinct banks); after
@@ -57,6 +59,9 @@ from cutedsl.sm90.weight import DECODE_BIAS
 
 BK = 64  # logical K per tile of the weight encoding
 PITCH = 20  # floats per parked token row (16 outputs + 4: conflict-free stores)
+A_ROW = 144  # bytes per staged activation row: 64 k (128 B) + 16, so ldmatrix's 8 rows hit 8
+# distinct 16-byte bank groups
+A_TILE = 8 * A_ROW  # one n8 token tile of one K tile
 BLOCK = 8 * PITCH  # floats per parked 16-row x n8 block
 SMEM_CAPACITY = 232448
 ROWS = (16, 32)
@@ -70,10 +75,21 @@ MAX_DEPTH = 16
 
 @dsl_user_op
 def cp_async(dst: Int32, src: Int64, nbytes: int, *, loc=None, ip=None) -> None:
-    """Copy `nbytes` (4 or 8) from global `src` to shared `dst` without a register (LDGSTS)."""
+    """Copy `nbytes` (4, 8 or 16; 16 bypasses L1) from global `src` to shared `dst` without a
+    register (LDGSTS)."""
     ops = [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)]
-    text = f"cp.async.ca.shared.global [$0], [$1], {nbytes};"
+    cop = "cg" if nbytes == 16 else "ca"
+    text = f"cp.async.{cop}.shared.global [$0], [$1], {nbytes};"
     du.asm(None, ops, text, "r,l", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ldmatrix_x4(addr: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """Four 8x8 b16 matrices from shared memory (lane 8 i + r gives row r of matrix i); lane l
+    receives row l / 4, columns 2 (l % 4) and + 1 of each: an mma.sync B fragment word per
+    matrix when the rows are tokens and the columns 8 consecutive k."""
+    text = "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];"
+    return du.asm_i32xn(4, [addr], text, "r", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -119,9 +135,9 @@ class Sm90Nvfp4StreamGemmKernel:
     @staticmethod
     def stage_bytes(rows: int, tokens: int) -> int:
         """One ring stage of one warp: per lane, the 8 weight bytes and the scale word of each of
-        its rows / 8 rows, and 8 activation words per n8 token tile (item-major: lane-contiguous
-        items, so each item's shared load is conflict-free)."""
-        return (rows // 8) * 32 * (8 + 4) + (tokens // 8) * 8 * 32 * 4
+        its rows / 8 rows (item-major: lane-contiguous items, so each item's shared load is
+        conflict-free), then per n8 token tile its 8 activation rows of 64 k (A_ROW apart)."""
+        return (rows // 8) * 32 * (8 + 4) + (tokens // 8) * A_TILE
 
     @staticmethod
     def region_bytes(rows: int, tokens: int, depth: int) -> int:
@@ -204,32 +220,37 @@ class Sm90Nvfp4StreamGemmKernel:
                 n = n0 + 16 * r + 8 * h + g
                 w_src.append(w_base + Int64(cute.crd2idx((n, c * 8, grp), mW.layout)))
                 s_src.append(s_base + Int64(cute.crd2idx((n, 0, grp), mS.layout)) * 4)
-        for t in cutlass.range_constexpr(self.nt):
+        for t in cutlass.range_constexpr(self.nt):  # k chunks c and c + 4 (16 B) of token g
             tok = cutlass.min(8 * t + g, m_cnt - 1)
-            a_src.append(a_base + Int64(cute.crd2idx((tok, c * 2, grp), mA.layout)) * 2)
-        # this lane's items in a stage: weights (8 B), scales, activations (4 B each)
+            a_src.append(a_base + Int64(cute.crd2idx((tok, c * 8, grp), mA.layout)) * 2)
+        # this lane's places in a stage: its weight bytes and scale words; the activation chunks
+        # it copies (row g, chunks c and c + 4) and the row it addresses for ldmatrix
         nw = 2 * self.rb
         w_dst = ring + lane * 8
         s_dst = ring + nw * 256 + lane * 4
-        a_dst = ring + nw * 384 + lane * 4
+        a_dst = ring + nw * 384 + g * A_ROW + c * 16
+        a_ld = ring + nw * 384 + (lane % 8) * A_ROW + (lane // 8) * 16
         stage = self.stage_bytes(self.rows, self.tokens)
         loads = (w_src, s_src, a_src, s_step, w_dst, s_dst, a_dst, stage)
 
         acc = cute.make_rmem_tensor((self.rb * self.nt * 4,), cutlass.Float32)
         acc.fill(0.0)
-        # ring of `depth` stages: tile i in stage i % depth; one copy group per tile (empty past
-        # the last), so waiting for all but depth - 1 groups lands tile i
+        # ring of `depth` stages: tile i in stage i % depth; one copy group per tile, so waiting
+        # for all but depth - 1 groups lands tile i
         for i in cutlass.range_constexpr(self.depth - 1):
             if i < mine:
                 self._issue(warp + self.warps * i, i, loads)
             cute.arch.cp_async_commit_group()
         for i in cutlass.range(mine, unroll=1):
+            # Past the last tile the freed stage (tile i - 1's) gets the last tile again, never
+            # read: an unconditional copy keeps its address math out of a branch, which LLVM
+            # would otherwise sink it into and recompute every iteration.
             nxt = i + self.depth - 1
-            if nxt < mine:
-                self._issue(warp + self.warps * nxt, nxt % self.depth, loads)
+            self._issue(warp + self.warps * cutlass.min(nxt, mine - 1), nxt % self.depth, loads)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(self.depth - 1)
-            self._tile(acc, ring + (i % self.depth) * stage, lane)
+            cute.arch.sync_warp()  # the activation rows other lanes copied are visible
+            self._tile(acc, (i % self.depth) * stage, ring, a_ld, lane)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()  # every lane's copies landed before any lane parks over them
 
@@ -266,18 +287,23 @@ class Sm90Nvfp4StreamGemmKernel:
             cp_async(w_dst + off + i * 256, w_src[i] + kt64 * 32, 8)
             cp_async(s_dst + off + i * 128, s_src[i] + kt64 * s_step, 4)
         for t in cutlass.range_constexpr(self.nt):
-            for j in cutlass.range_constexpr(8):  # k = 64 kt + 8 j + 2 c (+1)
-                cp_async(a_dst + off + (t * 8 + j) * 128, a_src[t] + kt64 * 128 + 16 * j, 4)
+            for h in cutlass.range_constexpr(2):  # k 8 c .. 8 c + 7, then 32 more
+                cp_async(a_dst + off + t * A_TILE + h * 64, a_src[t] + kt64 * 128 + 64 * h, 16)
 
     @cute.jit
-    def _tile(self, acc, base, lane):
-        """The MMAs of the K tile in the ring stage at `base`: 4 k16 steps x rows/16 blocks x
-        tokens/8 tiles. Word q of a row holds the pairs of K blocks 2q (pairs 0, 1: k 2c,
-        2c + 8) and 2q + 1 (pairs 2, 3); rows g (h = 0) and g + 8 (h = 1) of block r."""
+    def _tile(self, acc, off, ring, a_ld, lane):
+        """The MMAs of the K tile in the ring stage at byte `off` of the warp's ring: 4 k16 steps
+        x rows/16 blocks x tokens/8 tiles. Word q of a row holds the pairs of K blocks 2q (pairs
+        0, 1: k 2c, 2c + 8) and 2q + 1 (pairs 2, 3); rows g (h = 0) and g + 8 (h = 1) of block r.
+        Activation word j of token tile t (k 8 j + 2 c, token g) comes from ldmatrix j // 4."""
         nw = 2 * self.rb
+        base = ring + off
         bw = [du.ld_shared_v2_b32(base + i * 256 + lane * 8) for i in range(nw)]
         bs = [du.ld_shared_b32(base + nw * 256 + i * 128 + lane * 4) for i in range(nw)]
-        ba = [du.ld_shared_b32(base + nw * 384 + x * 128 + lane * 4) for x in range(self.nt * 8)]
+        ba = []
+        for t in cutlass.range_constexpr(self.nt):
+            for h in cutlass.range_constexpr(2):
+                ba.extend(ldmatrix_x4(a_ld + off + t * A_TILE + h * 64))
         for r in cutlass.range_constexpr(self.rb):
             pairs = []  # [h][q] -> 4 decoded bf16x2 words
             for h in cutlass.range_constexpr(2):
@@ -316,6 +342,9 @@ def check_targets() -> list[KernelTarget]:
     ptx = (
         r"cp\.async\.ca\.shared\.global \[%r\d+\], \[%rd\d+\], 8;",
         r"cp\.async\.wait_group \d+;",
+        r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16;",
+        r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16",
+        r"bar\.warp\.sync",
         r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32",
         r"shf\.l\.wrap\.b32",
         r"mul\.rn\.bf16x2",
@@ -324,7 +353,14 @@ def check_targets() -> list[KernelTarget]:
         r"ld\.shared\.f32",
         r"bar\.sync",
     )
-    sass = (r"HMMA\.16816\.F32\.BF16", r"LDGSTS\.E\.(LTC128B\.)?64", r"LDGDEPBAR", r"DEPBAR")
+    sass = (
+        r"HMMA\.16816\.F32\.BF16",
+        r"LDGSTS\.E\.(LTC128B\.)?64",
+        r"LDGSTS\.E\.BYPASS\.(LTC128B\.)?128",
+        r"LDSM\.16\.M88\.4",
+        r"LDGDEPBAR",
+        r"DEPBAR",
+    )
     variants = [(16, 8, 8, 8), (16, 16, 8, 4), (32, 8, 4, 4), (16, 32, 4, 2), (32, 16, 16, 2)]
     return [
         KernelTarget(
