@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The SM90 kernel / runner / routing / SwiGLU GPU tests, then the SM90 GEMM benchmark (every model,
-# every M; ~9 min on an H200 with the default LIMIT) and, with the time left, the tactic sweep on
+# The SM90 kernel (tiled and streaming GEMMs) / runner / routing / SwiGLU GPU tests, then the SM90
+# GEMM benchmark (every model, every M; ~9 min on an H200 with the default LIMIT) and, with the
+# time left, the tactic sweep on
 # the Flash shapes. Results in $OUT: gpu_tests.xml, logs, sm90_gemm.json/.md, sm90_gemm_sweep.*,
 # device.txt, summary.txt.
 #   LIMIT=560 bash scripts/gpu/kernels.sh          (MODEL=flash: only the Flash shapes)
@@ -10,7 +11,7 @@
 set -u
 . "$(dirname "$0")/env.sh"
 LIMIT=${LIMIT:-560}
-TESTS=${TESTS:-"tests/test_gemm_sm90.py tests/test_runners_gpu.py tests/test_sharding.py tests/test_moe_routing.py tests/test_swiglu_kernel.py tests/test_rope_kernel_gpu.py"}
+TESTS=${TESTS:-"tests/test_gemm_sm90.py tests/test_stream_sm90.py tests/test_runners_gpu.py tests/test_sharding.py tests/test_moe_routing.py tests/test_swiglu_kernel.py tests/test_rope_kernel_gpu.py"}
 device_info
 cd "$REPO"
 # shellcheck disable=SC2086
