@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The SM90 kernel (tiled and streaming GEMMs) / runner / routing / SwiGLU GPU tests, then the SM90
 # GEMM benchmark (every model, every M; ~9 min on an H200 with the default LIMIT) and, with the
-# time left, the tactic sweep on
-# the Flash shapes. Results in $OUT: gpu_tests.xml, logs, sm90_gemm.json/.md, sm90_gemm_sweep.*,
-# device.txt, summary.txt.
+# time left, the tactic sweep on the Flash shapes. Results in $OUT: gpu_tests.xml, logs,
+# sm90_gemm.json/.md, sm90_gemm_sweep.*, device.txt, summary.txt.
 #   LIMIT=560 bash scripts/gpu/kernels.sh          (MODEL=flash: only the Flash shapes)
 # SWEEP_SHAPES / SWEEP_MS narrow the sweep, e.g. the routed experts at decode:
 #   SWEEP_SHAPES="routed_w13(E=256),routed_w2(E=256)" SWEEP_MS=64,16,256 bash scripts/gpu/kernels.sh
