@@ -638,13 +638,13 @@ def bench_swiglu(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget
 
 def stream_candidates(m: int) -> list:
     """The streaming decode configurations timed for M tokens (--impls stream): the narrowest
-    token width that holds M, each row block, 4 / 8 / 16 warps, 2 / 4 / 8 stages, where they fit
+    token width that holds M, each row block, 4 / 8 / 16 warps, 2 / 4 / 6 / 8 stages, where they fit
     shared memory."""
     from cutedsl.sm90.kernels.stream import ROWS, TOKENS, Sm90Nvfp4StreamGemmKernel
     from cutedsl.sm90.tactics import StreamTactic
 
     tokens = min(t for t in TOKENS if t >= m)
-    cfgs = [(r, tokens, w, d) for r in ROWS for w in (4, 8, 16) for d in (2, 4, 8)]
+    cfgs = [(r, tokens, w, d) for r in ROWS for w in (4, 8, 16) for d in (2, 4, 6, 8)]
     return [StreamTactic(*c) for c in cfgs if Sm90Nvfp4StreamGemmKernel.config_error(*c) is None]
 
 
