@@ -47,11 +47,14 @@ def test_check_targets_cover_every_row_block_and_token_width() -> None:
         ((16, 8, 17, 4), "warps must be 1..16"),
         ((16, 8, 8, 1), "depth must be 2..16"),
         ((32, 32, 16, 16), "need .* B of shared memory"),
+        # 232320 B: under the 227 KiB a CTA may have, not beside the DSL's static 1 KiB
+        ((16, 8, 11, 11), "need 232320 B of shared memory"),
     ],
 )
 def test_configuration_limits_are_refused(cfg, msg) -> None:
     with pytest.raises(ValueError, match=msg):
         K(*cfg)
+    K(16, 8, 11, 10)  # 211200 B
 
 
 def test_ring_and_park_sizes() -> None:

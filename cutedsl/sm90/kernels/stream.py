@@ -16,8 +16,8 @@ no mbarrier, no CTA-wide ring. The sm90 encoding already stores, per weight row 
 tile, the 8 bytes each lane of an `mma.sync.m16n8k16` A fragment needs (lane c = lane % 4 of the
 quad owning the row: words q = 0, 1 for the K blocks 2q, 2q + 1), so every lane copies exactly the
 bytes it will use: per K tile, 8 weight bytes and one scale word for each of its rows (rows g and
-g + 8 of each 16-row block, g = lane / 4). The activations of each n8 token tile (token 8 t + g,
-clamped to the last token so no copy leaves `a`; columns past M are computed and dropped) are
+g + 8 of each 16-row block, g = lane / 4). The activations of each n8 token tile (token 8 t + g;
+past the last token a zero-filling copy that reads nothing; columns past M are dropped) are
 copied as whole 16-byte k chunks (lane (g, c): chunks c and c + 4 of token g) and read back as
 B fragments with two `ldmatrix.x4` per K tile. The copies are `cp.async` (LDGSTS: no register
 holds them in flight) into the warp's own `depth`-stage ring in shared memory, one commit group
@@ -63,7 +63,7 @@ A_ROW = 144  # bytes per staged activation row: 64 k (128 B) + 16, so ldmatrix's
 # distinct 16-byte bank groups
 A_TILE = 8 * A_ROW  # one n8 token tile of one K tile
 BLOCK = 8 * PITCH  # floats per parked 16-row x n8 block
-SMEM_CAPACITY = 232448
+SMEM_CAPACITY = 232448 - 2048  # sm_90 dynamic shared memory per CTA, less the DSL's static 1 KiB
 ROWS = (16, 32)
 TOKENS = (8, 16, 32)
 MAX_WARPS = 16
@@ -81,6 +81,16 @@ def cp_async(dst: Int32, src: Int64, nbytes: int, *, loc=None, ip=None) -> None:
     cop = "cg" if nbytes == 16 else "ca"
     text = f"cp.async.{cop}.shared.global [$0], [$1], {nbytes};"
     du.asm(None, ops, text, "r,l", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
+    """16-byte `cp.async` (bypassing L1) that reads `src_bytes` (16 or 0) of `src` and
+    zero-fills the rest: with 0 nothing is read (`src` must still be a valid address)."""
+    ops = [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)]
+    ops.append(Int32(src_bytes).ir_value(loc=loc, ip=ip))
+    text = "cp.async.cg.shared.global [$0], [$1], 16, $2;"
+    du.asm(None, ops, text, "r,l,r", side_effects=True, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -220,9 +230,11 @@ class Sm90Nvfp4StreamGemmKernel:
                 n = n0 + 16 * r + 8 * h + g
                 w_src.append(w_base + Int64(cute.crd2idx((n, c * 8, grp), mW.layout)))
                 s_src.append(s_base + Int64(cute.crd2idx((n, 0, grp), mS.layout)) * 4)
+        a_len = []  # bytes read per activation chunk: 16, or 0 (zero-filled) past the last token
         for t in cutlass.range_constexpr(self.nt):  # k chunks c and c + 4 (16 B) of token g
             tok = cutlass.min(8 * t + g, m_cnt - 1)
             a_src.append(a_base + Int64(cute.crd2idx((tok, c * 8, grp), mA.layout)) * 2)
+            a_len.append(16 * cutlass.min(cutlass.max(m_cnt - 8 * t - g, 0), 1))
         # this lane's places in a stage: its weight bytes and scale words; the activation chunks
         # it copies (row g, chunks c and c + 4) and the row it addresses for ldmatrix
         nw = 2 * self.rb
@@ -231,7 +243,7 @@ class Sm90Nvfp4StreamGemmKernel:
         a_dst = ring + nw * 384 + g * A_ROW + c * 16
         a_ld = ring + nw * 384 + (lane % 8) * A_ROW + (lane // 8) * 16
         stage = self.stage_bytes(self.rows, self.tokens)
-        loads = (w_src, s_src, a_src, s_step, w_dst, s_dst, a_dst, stage)
+        loads = (w_src, s_src, a_src, a_len, s_step, w_dst, s_dst, a_dst, stage)
 
         acc = cute.make_rmem_tensor((self.rb * self.nt * 4,), cutlass.Float32)
         acc.fill(0.0)
@@ -242,6 +254,9 @@ class Sm90Nvfp4StreamGemmKernel:
                 self._issue(warp + self.warps * i, i, loads)
             cute.arch.cp_async_commit_group()
         for i in cutlass.range(mine, unroll=1):
+            # Every lane's ldmatrix of the stage this copy refills (tile i - 1's) is done and
+            # ordered before it (bar.warp.sync orders the warp's shared-memory accesses).
+            cute.arch.sync_warp()
             # Past the last tile the freed stage (tile i - 1's) gets the last tile again, never
             # read: an unconditional copy keeps its address math out of a branch, which LLVM
             # would otherwise sink it into and recompute every iteration.
@@ -280,7 +295,7 @@ class Sm90Nvfp4StreamGemmKernel:
     @cute.jit
     def _issue(self, kt, slot, loads):
         """Copy this lane's bytes of K tile kt into ring stage `slot`."""
-        w_src, s_src, a_src, s_step, w_dst, s_dst, a_dst, stage = loads
+        w_src, s_src, a_src, a_len, s_step, w_dst, s_dst, a_dst, stage = loads
         kt64 = Int64(kt)
         off = slot * stage
         for i in cutlass.range_constexpr(2 * self.rb):
@@ -288,7 +303,8 @@ class Sm90Nvfp4StreamGemmKernel:
             cp_async(s_dst + off + i * 128, s_src[i] + kt64 * s_step, 4)
         for t in cutlass.range_constexpr(self.nt):
             for h in cutlass.range_constexpr(2):  # k 8 c .. 8 c + 7, then 32 more
-                cp_async(a_dst + off + t * A_TILE + h * 64, a_src[t] + kt64 * 128 + 64 * h, 16)
+                src = a_src[t] + kt64 * 128 + 64 * h
+                cp_async_16_zfill(a_dst + off + t * A_TILE + h * 64, src, a_len[t])
 
     @cute.jit
     def _tile(self, acc, off, ring, a_ld, lane):
@@ -342,7 +358,7 @@ def check_targets() -> list[KernelTarget]:
     ptx = (
         r"cp\.async\.ca\.shared\.global \[%r\d+\], \[%rd\d+\], 8;",
         r"cp\.async\.wait_group \d+;",
-        r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16;",
+        r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;",
         r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16",
         r"bar\.warp\.sync",
         r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32",
