@@ -219,9 +219,9 @@ def test_swiglu_columns_and_table(tmp_path):
 
 
 def test_stream_columns_and_candidates(tmp_path):
-    """The stream impl's columns: ours / stream and copy / stream for a dense decode row, "n/a"
-    (not a note) on the others; its candidates hold M, fit shared memory and cover both row
-    blocks."""
+    """The stream impl's columns: ours / stream and copy / stream for a decode row, "n/a" (not a
+    note) past M = 32; its candidates hold M (MoE: an expert's rows at decode), fit shared
+    memory and cover both row blocks."""
     from cutedsl.sm90.kernels.stream import Sm90Nvfp4StreamGemmKernel
 
     rows = _synthetic_rows()
@@ -230,7 +230,7 @@ def test_stream_columns_and_candidates(tmp_path):
     B.finalize_row(r, 4000.0)
     assert (r["x_stream"], r["pct_copy_time_stream"]) == (2.0, 80.0)
     for other in rows[1:]:
-        other["stream_error"] = "n/a: dense / grouped, M <= 32"
+        other["stream_error"] = "n/a: M <= 32"
         B.finalize_row(other, 4000.0)
         assert other["x_stream"] is None
     md = tmp_path / "r.md"
@@ -238,9 +238,10 @@ def test_stream_columns_and_candidates(tmp_path):
     B.write_outputs("", str(md), meta, rows)
     text = md.read_text()
     assert "| 5.0 | s16x8w8d4 | 80.0 | 2.00 |" in text
-    assert "n/a: dense / grouped" not in text
-    for m, tokens in ((1, 8), (8, 8), (9, 16), (32, 32)):
-        cands = B.stream_candidates(m)
+    assert "n/a: M <= 32" not in text
+    for m, tokens, moe in ((1, 8, False), (8, 8, False), (9, 16, False), (32, 32, False),
+                           (32, 8, True)):  # fmt: skip
+        cands = B.stream_candidates(m, moe)
         assert cands and {t.tokens for t in cands} == {tokens}
         assert {t.rows for t in cands} == {16, 32}
         assert all(

@@ -95,21 +95,23 @@ def test_launch_refuses_before_compiling(m, n, tactic, err, msg) -> None:
         G.linear(a, wp, out=torch.empty(m, n, dtype=torch.bfloat16), tactic=tactic)
 
 
-def test_moe_and_swiglu_are_refused() -> None:
+def test_moe_grid_limit_and_swiglu_are_refused() -> None:
     wp = _cpu_weight(128, 128, groups=2)
-    a = torch.randn(4, 128, dtype=torch.bfloat16)
     offs = torch.tensor([0, 2, 4], dtype=torch.int32)
     t = StreamTactic(16, 8, 8, 4)
-    with pytest.raises(NotImplementedError, match="no MoE mode"):
-        G.moe(a, offs, wp, tactic=t)
+    a = torch.randn(4, 128, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="no SwiGLU"):
         G.moe(a, offs, wp, tactic=t, swiglu=True, swiglu_limit=10.0)
+    rows = 8 * 65535  # min(E, T) + T // 8 > 65535 CTA rows
+    big = torch.empty(rows, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="over the grid limit 65535"):
+        G.moe(big, torch.tensor([0, rows // 2, rows], dtype=torch.int32), wp, tactic=t)
 
 
 def test_stream_jobs_are_stable_and_distinct() -> None:
     ts = [StreamTactic(32, 8, 4, 4), StreamTactic(16, 8, 8, 4), StreamTactic(16, 8, 8, 4)]
-    jobs = G.stream_jobs(set(ts))
-    assert [j.args for j in jobs] == [(16, 8, 8, 4), (32, 8, 4, 4)]
+    assert [j.args for j in G.stream_jobs(set(ts))] == [(16, 8, 8, 4, False), (32, 8, 4, 4, False)]
+    assert [j.args for j in G.stream_jobs(ts[:1], moe=True)] == [(32, 8, 4, 4, True)]
 
 
 # ------------------------------------------------------------------------------------- GPU
@@ -221,3 +223,63 @@ def test_deterministic_and_graph_capturable() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(first, again) and torch.equal(first, out)
+
+
+def _moe_case(e: int, n: int, k: int, counts: list[int]):
+    packed, sf, gs = _rand_weight(e, n, k)
+    wp = W.prepare_weight(packed, sf, gs)
+    offs = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    a = torch.randn(sum(counts), k, device="cuda", dtype=torch.bfloat16)
+    ref = torch.empty(sum(counts), n, device="cuda")
+    o = offs.tolist()
+    for i in range(e):
+        if counts[i]:
+            ref[o[i] : o[i + 1]] = _ref(a[o[i] : o[i + 1]], packed[i], sf[i], gs[i])
+    return wp, offs, a, ref
+
+
+MOE_CONFIGS = [(16, 8, 8, 4), (32, 8, 4, 4), (16, 16, 8, 2), (32, 32, 4, 2)]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("cfg", MOE_CONFIGS, ids=["r{}t{}w{}d{}".format(*c) for c in MOE_CONFIGS])
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [1, 1, 0, 1, 1, 0, 1, 1],  # one decode token, top-6
+        [3, 0, 17, 1, 0, 8, 33, 9],  # empty experts, tile edges of 8 / 16 / 32
+        [0, 0, 0, 70, 0, 0, 0, 0],  # all rows on one expert: several tiles
+    ],
+    ids=["one_token", "mixed_empty", "all_on_one"],
+)
+def test_moe_offsets(cfg, counts: list[int]) -> None:
+    wp, offs, a, ref = _moe_case(8, 256, 512, counts)
+    out = _poison(ref.shape)
+    G.moe(a, offs, wp, out=out, tactic=StreamTactic(*cfg))
+    _assert_close(out, ref, f"moe {cfg} {counts}")
+
+
+@pytest.mark.sm90
+def test_moe_rows_outside_the_offsets_are_not_written() -> None:
+    """offs[0] > 0 and offs[E] < T: the rows before and after stay as they were."""
+    wp, offs, a, ref = _moe_case(4, 128, 256, [2, 5, 0, 3])
+    offs2 = offs + 3
+    a2 = torch.cat([torch.randn(3, 256, device="cuda", dtype=torch.bfloat16), a,
+                    torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)])  # fmt: skip
+    out = _poison((a2.shape[0], 128))
+    G.moe(a2, offs2, wp, out=out, tactic=StreamTactic(16, 8, 8, 4))
+    assert out[:3].isnan().all() and out[-4:].isnan().all(), "rows outside the offsets written"
+    _assert_close(out[3:-4], ref, "moe offset rows")
+
+
+@pytest.mark.sm90
+def test_moe_flash_routed_shapes() -> None:
+    """DSv4-Flash routed w13 / w2 (256 experts, top-6) at 4 decode tokens."""
+    for n, k in ((4096, 4096), (4096, 2048)):
+        gen = torch.Generator().manual_seed(n + k)
+        ids = torch.stack([torch.randperm(256, generator=gen)[:6] for _ in range(4)])
+        counts = torch.bincount(ids.flatten(), minlength=256).tolist()
+        wp, offs, a, ref = _moe_case(256, n, k, counts)
+        out = _poison(ref.shape)
+        G.moe(a, offs, wp, out=out, tactic=StreamTactic(16, 8, 8, 4))
+        _assert_close(out, ref, f"routed {n}x{k}")

@@ -49,9 +49,9 @@ Columns:
   SwiGLU kernel (`swiglu_sep_us`, the default path) against the same GEMM with the SwiGLU fused
   into its epilogue (`swiglu_fused_us`, `CUTEDSL_SM90_FUSED_SWIGLU=1`), limit 10, same routings
   and timing; `x_swiglu_fused` = sep / fused.
-- stream (asked for by name; dense and grouped rows with M <= 32): the streaming decode kernel
+- stream (asked for by name; rows with M <= 32): the streaming decode kernel
   (`cutedsl.sm90.kernels.stream`, forced with a `StreamTactic`) in every `stream_candidates`
-  configuration, same weight copies and timing as ours: `stream_us` the fastest, `stream_tactic`
+  configuration, same weight copies / routings and timing as ours: `stream_us` the fastest, `stream_tactic`
   its configuration, `stream_sweep_us` each; `x_stream` = ours us / stream_us (> 1: the streaming
   kernel is faster), `pct_copy_time_stream` = copy_us / stream_us.
 - quack (asked for by name, with --quack-env FILE): quack-kernels' CuTeDSL `gemm_w4a16` (NVFP4)
@@ -636,57 +636,73 @@ def bench_swiglu(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget
     torch.cuda.empty_cache()
 
 
-def stream_candidates(m: int) -> list:
+def stream_candidates(m: int, moe: bool = False) -> list:
     """The streaming decode configurations timed for M tokens (--impls stream): the narrowest
-    token width that holds M, each row block, 4 / 8 / 16 warps, 2 / 4 / 6 / 8 stages, where they fit
-    shared memory."""
+    token width that holds M (MoE: 8, an expert's rows at decode), each row block, 4 / 8 / 16
+    warps, 2 / 4 / 6 / 8 stages, where they fit shared memory."""
     from cutedsl.sm90.kernels.stream import ROWS, TOKENS, Sm90Nvfp4StreamGemmKernel
     from cutedsl.sm90.tactics import StreamTactic
 
-    tokens = min(t for t in TOKENS if t >= m)
+    tokens = 8 if moe else min(t for t in TOKENS if t >= m)
     cfgs = [(r, tokens, w, d) for r in ROWS for w in (4, 8, 16) for d in (2, 4, 6, 8)]
     return [StreamTactic(*c) for c in cfgs if Sm90Nvfp4StreamGemmKernel.config_error(*c) is None]
 
 
 def bench_stream(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget) -> None:
-    """Dense and grouped rows with M <= 32: every `stream_candidates` configuration of the
-    streaming decode kernel on the weight copies `bench_ours` rotates; "stream_us" the fastest,
-    "stream_tactic" its configuration, "stream_sweep_us" all of them."""
+    """Rows with M <= 32: every `stream_candidates` configuration of the streaming decode kernel
+    on the weight copies (dense, wo_a) or routings (routed experts) `bench_ours` uses;
+    "stream_us" the fastest, "stream_tactic" its configuration, "stream_sweep_us" all of them."""
     from cutedsl.sm90.kernels.stream import TOKENS
 
     todo = [m for m in ms if m <= TOKENS[-1]]
     for m in ms:
-        if shape.kind == "moe" or m > TOKENS[-1]:
-            rows_by_m[m]["stream_error"] = "n/a: dense / grouped, M <= 32"
-    if shape.kind == "moe" or not todo:
+        if m > TOKENS[-1]:
+            rows_by_m[m]["stream_error"] = "n/a: M <= 32"
+    if not todo:
         return
+    moe = shape.kind == "moe"
     try:
         from cutedsl.sm90 import gemm
 
         g, n, k = shape.groups, shape.n, shape.k
-        wps = [random_prepared_weight(g, n, k) for _ in range(_copies(weight_bytes(g, n, k)))]
-        cands = {m: stream_candidates(m) for m in todo}
-        jit.prefetch(gemm.stream_jobs({t for ts in cands.values() for t in ts}))
+        n_copies = 1 if moe else _copies(weight_bytes(g, n, k))
+        wps = [random_prepared_weight(g, n, k) for _ in range(n_copies)]
+        cands = {m: stream_candidates(m, moe) for m in todo}
+        jit.prefetch(gemm.stream_jobs({t for ts in cands.values() for t in ts}, moe))
     except Exception as e:  # noqa: BLE001 - one implementation failing never stops the run
         _set(rows_by_m, todo, "stream_error", _err(e))
         return
     for m in todo:
         r = rows_by_m[m]
         try:
-            if shape.kind == "grouped":
-                a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
-                call = gemm.grouped
+            rows = shape.rows(m)
+            if moe:
+                offs = [expert_offsets(c).to("cuda") for c in _routings(shape, m)]
+                a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+
+                def make(t, w0=wps[0]):
+                    return [lambda o=o: gemm.moe(a, o, w0, out=out, tactic=t) for o in offs]
+
             else:
-                a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                call = gemm.linear
-            flops = 2.0 * m * n * k * g
+                if shape.kind == "grouped":
+                    a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
+                    out = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
+                    call = gemm.grouped
+                else:
+                    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                    call = gemm.linear
+
+                def make(t, call=call, wps=wps):
+                    return [lambda wp=wp: call(a, wp, out=out, tactic=t) for wp in wps]
+
+            flops = 2.0 * rows * n * k * (g if shape.kind == "grouped" else 1)
             times = {}
             for t in cands[m]:
                 if not budget.fits(f"stream {shape.name} M={m} {t}"):
                     break
-                fns = [lambda wp=wp, t=t: call(a, wp, out=out, tactic=t) for wp in wps]
+                fns = make(t)
                 fns[0]()  # compile outside capture
                 times[str(t)] = round(budget.measure(lambda: graph_time_us(fns, _reps(flops))), 2)
             if times:
@@ -1201,7 +1217,7 @@ def _cell(r: dict, key: str, fmt: str) -> str:
                     "n/a: no Marlin",
                     "n/a: quack",
                     "n/a: routed w13",
-                    "n/a: dense / grouped",
+                    "n/a: M <= 32",
                 )
             )
         ]

@@ -11,8 +11,10 @@ E experts, T routed rows (MoE).
 
 BF16 activations and outputs, fp32 accumulation; `wp` is a `cutedsl.sm90.weight.Weight`. Without a
 forced `tactic`, a launch takes `tactics.launch_tactic` for its M on its GPU. A forced
-`tactics.StreamTactic` runs a dense / grouped launch of at most its `tokens` rows on the streaming
-decode kernel (`cutedsl.sm90.kernels.stream`: same operands, another summation order).
+`tactics.StreamTactic` runs the launch on the streaming decode kernel
+(`cutedsl.sm90.kernels.stream`: same operands, another summation order): a dense / grouped one
+of at most its `tokens` rows, or a MoE one (no fused SwiGLU) in tiles of `tokens` rows per
+expert.
 Compile cache: `cutedsl.jit`, keyed on the compile-time values only (the Tactic, the MoE flag and a
 fused SwiGLU's limit);
 M, N, K, the group count, strides and addresses are runtime values (fake tensors with symbolic
@@ -60,38 +62,46 @@ def _build(
 
 
 def _build_stream(
-    rows: int, tokens: int, warps: int, depth: int, no_jit_engine: bool = False
+    rows: int, tokens: int, warps: int, depth: int, moe: bool = False, no_jit_engine: bool = False
 ) -> object:
     from cutedsl.sm90.kernels.stream import compile_kernel
 
-    return compile_kernel(rows, tokens, warps, depth, no_jit_engine=no_jit_engine)
+    return compile_kernel(rows, tokens, warps, depth, moe, no_jit_engine=no_jit_engine)
 
 
-def stream_jobs(tactics: Iterable[StreamTactic]) -> list[jit.Job]:
-    """The `jit.Job` of each streaming decode configuration, in a stable order."""
+def stream_jobs(tactics: Iterable[StreamTactic], moe: bool = False) -> list[jit.Job]:
+    """The `jit.Job` of each streaming decode configuration (dense / grouped, or MoE), in a
+    stable order."""
     return [
-        jit.Job(_build_stream, (t.rows, t.tokens, t.warps, t.depth), ()) for t in sorted(tactics)
+        jit.Job(_build_stream, (t.rows, t.tokens, t.warps, t.depth, moe), ())
+        for t in sorted(tactics)
     ]
 
 
 def _launch_stream(
-    a3: torch.Tensor, wp: Weight, out3: torch.Tensor, moe: bool, tactic: StreamTactic
-) -> None:
+    a3: torch.Tensor, wp: Weight, out3: torch.Tensor, offs: torch.Tensor | None,
+    tactic: StreamTactic,
+) -> None:  # fmt: skip
     """Check a forced StreamTactic against the launch, then run it."""
     from cutedsl.sm90.kernels.stream import Sm90Nvfp4StreamGemmKernel as K
 
     err = K.config_error(tactic.rows, tactic.tokens, tactic.warps, tactic.depth)
     if err:
         raise ValueError(f"tactic {tactic}: {err}")
-    if moe:
-        raise NotImplementedError(f"tactic {tactic}: the streaming kernel has no MoE mode")
     m = a3.shape[1]
-    if m > tactic.tokens:
+    moe = offs is not None
+    if moe and moe_tile_bound(m, wp.groups, tactic.tokens) > MAX_GRID_Y:
+        raise ValueError(
+            f"a: {m} rows in token tiles of {tactic.tokens} give up to "
+            f"{moe_tile_bound(m, wp.groups, tactic.tokens)} MoE tiles, over the grid limit "
+            f"{MAX_GRID_Y}"
+        )
+    if not moe and m > tactic.tokens:
         raise ValueError(f"a: {m} rows, tactic {tactic} takes at most {tactic.tokens}")
     if not K.can_implement(wp.n, wp.k, tactic.rows):
         raise ValueError(f"tactic {tactic}: N = {wp.n} is not a multiple of {tactic.rows} rows")
-    args = (tactic.rows, tactic.tokens, tactic.warps, tactic.depth)
-    jit.compiled(_build_stream, *args)(*kernel_operands(a3, wp, out3, None))
+    args = (tactic.rows, tactic.tokens, tactic.warps, tactic.depth, moe)
+    jit.compiled(_build_stream, *args)(*kernel_operands(a3, wp, out3, offs))
 
 
 def _epilogue_kwargs(swiglu: bool, swiglu_limit: float | None) -> dict:
@@ -163,7 +173,7 @@ def _launch(
     if isinstance(tactic, StreamTactic):
         if swiglu:
             raise NotImplementedError(f"tactic {tactic}: the streaming kernel has no SwiGLU")
-        _launch_stream(a3, wp, out3, moe, tactic)
+        _launch_stream(a3, wp, out3, offs, tactic)
         return
     if tactic is None:
         tactic = launch_tactic(m, wp.n, k, wp.groups, moe, gpu_spec(a3.device))

@@ -44,7 +44,8 @@ class StreamTactic:
     """A configuration of the streaming decode kernel (`cutedsl.sm90.kernels.stream`): `rows`
     (16 | 32) weight rows per warp and CTA, up to `tokens` (8 | 16 | 32) tokens, K split over
     `warps` warps, a `depth`-stage copy ring per warp. Dense / grouped launches of at most
-    `tokens` rows; only taken when forced (`gemm.linear(..., tactic=...)`)."""
+    `tokens` rows, MoE launches in tiles of `tokens` rows per expert; only taken when forced
+    (`gemm.linear / grouped / moe(..., tactic=...)`)."""
 
     rows: int
     tokens: int

@@ -17,7 +17,7 @@ split order (deterministic), and writes `out`. No global scratch, no counters, n
 MoE mode (`moe=True`): a is (T, K, 1) with the rows of expert e at [offs[e], offs[e+1]) (offs int32
 (E+1,) on the device), out is (N, T, 1). The m tiles of all experts are numbered in expert order
 (expert e has ceil(rows_e / tile_m) of them); grid.y = min(E, T) + T // tile_m bounds their count,
-and CTA y finds its tile y (`_moe_tile`: an exclusive scan of the per-expert tile counts over the
+and CTA y finds its tile y (`moe_tile`: an exclusive scan of the per-expert tile counts over the
 CTA's threads) or, past the last tile, exits. Routing never reaches the host, and a decode launch
 has no CTA per empty expert (E = 256, T = 96, tile_m 16: 102 CTA rows, not 512).
 
@@ -92,6 +92,51 @@ def moe_grid_y(rows, experts, tile_m, min_fn=min):
     rows // tile_m. `min_fn` is `cutlass.min` in the kernel (the host copy is
     `cutedsl.sm90.tactics.moe_tile_bound`; a CPU test keeps the two equal)."""
     return min_fn(experts, rows) + rows // tile_m
+
+
+@cute.jit
+def moe_tile(mOffs, z, tidx, sched, threads: cutlass.Constexpr, tile_m: cutlass.Constexpr):
+    """(expert, m tile) of MoE tile z of a CTA of `threads` threads, in m tiles of `tile_m` rows,
+    or (-1, 0) past the last tile. Thread t counts the m tiles of experts [t * per, (t + 1) * per)
+    (per = ceil(E / threads)); an exclusive scan of those counts over the CTA (warp `shfl.up`
+    scans, warp totals in `sched`: threads / 32 + 2 shared Int32) tells the one thread whose
+    experts hold tile z, which walks them and posts the answer at sched[warps], sched[warps + 1].
+    Every thread takes part (two CTA barriers)."""
+    warps = threads // 32
+    lane = tidx % 32
+    warp = tidx // 32
+    num_e = cute.size(mOffs, mode=[0]) - 1
+    per = (num_e + threads - 1) // threads
+    e0 = tidx * per
+    own = cutlass.Int32(0)
+    for i in cutlass.range(per, unroll=1):
+        if e0 + i < num_e:
+            own += (mOffs[e0 + i + 1] - mOffs[e0 + i] + tile_m - 1) // tile_m
+    incl = du.warp_inclusive_scan(own, lane)
+    if lane == 31:
+        sched[warp] = incl
+    if tidx == 0:
+        sched[warps] = cutlass.Int32(-1)
+    cute.arch.barrier()
+    first = incl - own  # exclusive prefix of this thread's tiles
+    for w in cutlass.range_constexpr(warps - 1):
+        if w < warp:
+            first += sched[w]
+    if first <= z and z < first + own:
+        for i in cutlass.range(per, unroll=1):
+            e = e0 + i
+            if e < num_e:
+                cnt = (mOffs[e + 1] - mOffs[e] + tile_m - 1) // tile_m
+                if first <= z and z < first + cnt:
+                    sched[warps] = e
+                    sched[warps + 1] = z - first
+                first += cnt
+    cute.arch.barrier()
+    grp = sched[warps]
+    m_tile = cutlass.Int32(0)
+    if grp >= 0:
+        m_tile = sched[warps + 1]
+    return grp, m_tile
 
 
 class Sm90Nvfp4W4A16GemmKernel:
@@ -307,7 +352,7 @@ class Sm90Nvfp4W4A16GemmKernel:
             sS: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Int32, cute.cosize(self.ss_layout)], 128
             ]
-            sched: cute.struct.MemRange[cutlass.Int32, self.threads // 32 + 2]  # `_moe_tile`
+            sched: cute.struct.MemRange[cutlass.Int32, self.threads // 32 + 2]  # `moe_tile`
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -372,7 +417,7 @@ class Sm90Nvfp4W4A16GemmKernel:
         act_l = grp
         has_tile = cutlass.Boolean(True)  # dense / grouped: every CTA has its tile
         if cutlass.const_expr(self.moe):
-            grp, m_tile = self._moe_tile(mOffs, bidy, tidx, sched)
+            grp, m_tile = moe_tile(mOffs, bidy, tidx, sched, self.threads, self.tile_m)
             has_tile = grp >= 0
             act_l = 0
             if has_tile:
@@ -720,49 +765,6 @@ class Sm90Nvfp4W4A16GemmKernel:
             part = du.ld_shared_cluster_f32xn(peers[r] + off, 4)
             tot = [tot[v] + part[v] for v in range(4)]
         return tot
-
-    @cute.jit
-    def _moe_tile(self, mOffs, z, tidx, sched):
-        """(expert, m tile) of MoE tile z, or (-1, 0) past the last tile. Thread t counts the m
-        tiles of experts [t * per, (t + 1) * per) (per = ceil(E / threads)); an exclusive scan of
-        those counts over the CTA (warp `shfl.up` scans, warp totals in the shared `sched`)
-        tells the one thread whose experts hold tile z, which walks them and posts the answer at
-        sched[warps], sched[warps + 1]. Every thread takes part (two CTA barriers)."""
-        warps = self.threads // 32
-        lane = tidx % 32
-        warp = tidx // 32
-        num_e = cute.size(mOffs, mode=[0]) - 1
-        per = (num_e + self.threads - 1) // self.threads
-        e0 = tidx * per
-        own = cutlass.Int32(0)
-        for i in cutlass.range(per, unroll=1):
-            if e0 + i < num_e:
-                own += (mOffs[e0 + i + 1] - mOffs[e0 + i] + self.tile_m - 1) // self.tile_m
-        incl = du.warp_inclusive_scan(own, lane)
-        if lane == 31:
-            sched[warp] = incl
-        if tidx == 0:
-            sched[warps] = cutlass.Int32(-1)
-        cute.arch.barrier()
-        first = incl - own  # exclusive prefix of this thread's tiles
-        for w in cutlass.range_constexpr(warps - 1):
-            if w < warp:
-                first += sched[w]
-        if first <= z and z < first + own:
-            for i in cutlass.range(per, unroll=1):
-                e = e0 + i
-                if e < num_e:
-                    cnt = (mOffs[e + 1] - mOffs[e] + self.tile_m - 1) // self.tile_m
-                    if first <= z and z < first + cnt:
-                        sched[warps] = e
-                        sched[warps + 1] = z - first
-                    first += cnt
-        cute.arch.barrier()
-        grp = sched[warps]
-        m_tile = cutlass.Int32(0)
-        if grp >= 0:
-            m_tile = sched[warps + 1]
-        return grp, m_tile
 
     @cute.jit
     def _dequant(self, frag, sQ_addr, sS_addr, stage, q_off, s_off):

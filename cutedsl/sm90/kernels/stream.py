@@ -1,15 +1,20 @@
 """Hopper (sm_90a) NVFP4 W4A16 decode GEMM for a few tokens: each warp streams its weights through
 its own copy ring, dequantizes them in registers and multiplies on the tensor cores (`mma.sync`).
 
-Same operands and math as `cutedsl.sm90.kernels.gemm` (dense and grouped, not MoE):
+Same operands and math as `cutedsl.sm90.kernels.gemm`:
   out[l][m, n] = gs[l] * sum_k a[l][m, k] * (e2m1(w[l][n, k]) * sf[l][n, k // 16])
   a   (M, K, L)    bf16, K-major (token and group strides: any multiples of 8)   activations
   w   (N, K/2, L)  uint8, K-major, the sm90 weight encoding (cutedsl.sm90.weight)
   sf  (N, K/64, L) int32, N-major, 4 e5m3 block-scale codes per word
   gs  (L,)         fp32 global scale (weight_scale_2)
   out (N, M, L)    bf16, N-major (token and group strides: any multiples of 8)
-  offs             ignored (the operand list of the tiled kernel, so both launch alike)
-with M <= tokens (the compile-time token width: 8, 16 or 32).
+  offs             ignored unless MoE (the operand list of the tiled kernel: both launch alike)
+with M <= tokens (the compile-time token width: 8, 16 or 32) for dense and grouped launches.
+MoE mode (`moe=True`): a is (T, K, 1) with the rows of expert e at [offs[e], offs[e+1]) (offs
+int32 (E+1,) on the device), out is (N, T, 1), T free: each expert's rows are cut into tiles of
+`tokens` rows, numbered in expert order; grid.y = min(E, T) + T // tokens bounds their count and
+CTA y finds its (expert, tile) with the tiled kernel's scan (`gemm.moe_tile`) or, past the last
+tile, exits. Rows outside [offs[0], offs[E]) are not written.
 
 Design (for decode, where a GEMM reads each weight byte once and the tensor cores idle): no TMA,
 no mbarrier, no CTA-wide ring. The sm90 encoding already stores, per weight row and 64-wide K
@@ -36,9 +41,10 @@ in warp order (deterministic, the same bits on every run), scales by gs * 2^19 (
 rounds to bf16 and stores it; 16 consecutive threads write 32 contiguous bytes.
 
 Compile-time: rows (16 | 32: 16-row blocks per warp), tokens (8 | 16 | 32: n8 tiles), warps
-(1..16) and depth (2..16: stages per warp ring). Runtime: M, N, K, L, strides, pointers, stream.
-Graph safety: no host sync; the grid is (N / rows, 1, L).
-Constraints: N % rows == 0, K % 64 == 0, 1 <= M <= tokens.
+(1..16), depth (2..16: stages per warp ring) and moe. Runtime: M, N, K, L, strides, pointers, stream.
+Graph safety: no host sync; the grid is (N / rows, 1, L), MoE (N / rows, min(E, T) + T // tokens,
+1).
+Constraints: N % rows == 0, K % 64 == 0; dense / grouped 1 <= M <= tokens.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutedsl.kernels import device_utils as du
 from cutedsl.kernels.checks import KernelTarget
 from cutedsl.sm90.kernels import decode as dec
-from cutedsl.sm90.kernels.gemm import fake_operands
+from cutedsl.sm90.kernels.gemm import fake_operands, moe_grid_y, moe_tile
 from cutedsl.sm90.weight import DECODE_BIAS
 
 BK = 64  # logical K per tile of the weight encoding
@@ -132,11 +138,14 @@ class Sm90Nvfp4StreamGemmKernel:
     """W4A16 NVFP4 decode GEMM for sm_90a (module docstring). `__init__` takes codegen
     configuration only."""
 
-    def __init__(self, rows: int = 16, tokens: int = 8, warps: int = 8, depth: int = 4):
+    def __init__(
+        self, rows: int = 16, tokens: int = 8, warps: int = 8, depth: int = 4, moe: bool = False
+    ):
         err = self.config_error(rows, tokens, warps, depth)
         if err:
             raise ValueError(err)
         self.rows, self.tokens, self.warps, self.depth = rows, tokens, warps, depth
+        self.moe = moe
         self.rb = rows // 16  # 16-row blocks per warp
         self.nt = tokens // 8  # n8 token tiles
         self.threads = 32 * warps
@@ -184,7 +193,7 @@ class Sm90Nvfp4StreamGemmKernel:
         sf: cute.Tensor,  # (N, K/64, L) int32 N-major (e5m3 x 4)
         gs: cute.Tensor,  # (L,) fp32
         out: cute.Tensor,  # (N, M, L) bf16, N-major
-        offs: cute.Tensor,  # ignored
+        offs: cute.Tensor,  # (E+1,) int32 expert row starts (MoE); ignored otherwise
         stream: cuda.CUstream,
     ):
         self.out_dtype = out.element_type
@@ -194,26 +203,52 @@ class Sm90Nvfp4StreamGemmKernel:
             ring: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Uint8, self.warps * self.warp_bytes], 16
             ]
+            sched: cute.struct.MemRange[cutlass.Int32, self.warps + 2]  # `moe_tile`
 
         self.shared_storage = SharedStorage
         grid = (cute.size(w, mode=[0]) // self.rows, 1, cute.size(w, mode=[2]))
-        self.kernel(a, w, sf, gs, out).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
+        if cutlass.const_expr(self.moe):
+            rows_t = cute.size(a, mode=[0])
+            groups = cute.size(w, mode=[2])
+            grid = (grid[0], moe_grid_y(rows_t, groups, self.tokens, cutlass.min), 1)
+        self.kernel(a, w, sf, gs, out, offs).launch(
+            grid=grid, block=[self.threads, 1, 1], stream=stream
+        )
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mGS: cute.Tensor,
-               mC: cute.Tensor):  # fmt: skip
+               mC: cute.Tensor, mOffs: cute.Tensor):  # fmt: skip
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, grp = cute.arch.block_idx()
+        bidx, bidy, grp = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        # this CTA's tokens: [tok0, tok0 + t_cnt) of activation group act_l
+        tok0 = cutlass.Int32(0)
+        t_cnt = cute.size(mA, mode=[0])
+        act_l = grp
+        has_tile = cutlass.Boolean(True)  # dense / grouped: every CTA has its tile
+        if cutlass.const_expr(self.moe):
+            sched = storage.sched.get_tensor(cute.make_layout(self.warps + 2))
+            grp, m_tile = moe_tile(mOffs, bidy, tidx, sched, self.threads, self.tokens)
+            has_tile = grp >= 0
+            act_l = 0
+            if has_tile:
+                tok0 = mOffs[grp] + m_tile * self.tokens
+                t_cnt = cutlass.min(mOffs[grp + 1] - tok0, self.tokens)
+        if has_tile:
+            self._cta(mA, mW, mS, mGS, mC, storage, tidx, bidx, grp, act_l, tok0, t_cnt)
+
+    @cute.jit
+    def _cta(self, mA, mW, mS, mGS, mC, storage, tidx, bidx, grp, act_l, tok0, t_cnt):
+        """One CTA's work: weight rows [bidx * rows, + rows) of group grp times tokens
+        [tok0, tok0 + t_cnt) (t_cnt <= tokens) of activation group act_l."""
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         g = lane // 4  # the row (and token) of this lane in its quad's 8
         c = lane % 4  # the lane's K pair in each 8-wide K half
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
         ring0 = storage.ring.data_ptr().toint()
         ring = ring0 + warp * self.warp_bytes  # this warp's region
 
-        m_cnt = cute.size(mA, mode=[0])
         k_tiles = cute.size(mS, mode=[1])
         n0 = bidx * self.rows
         mine = (k_tiles - warp + self.warps - 1) // self.warps  # tiles w, w + warps, ...
@@ -232,9 +267,9 @@ class Sm90Nvfp4StreamGemmKernel:
                 s_src.append(s_base + Int64(cute.crd2idx((n, 0, grp), mS.layout)) * 4)
         a_len = []  # bytes read per activation chunk: 16, or 0 (zero-filled) past the last token
         for t in cutlass.range_constexpr(self.nt):  # k chunks c and c + 4 (16 B) of token g
-            tok = cutlass.min(8 * t + g, m_cnt - 1)
-            a_src.append(a_base + Int64(cute.crd2idx((tok, c * 8, grp), mA.layout)) * 2)
-            a_len.append(16 * cutlass.min(cutlass.max(m_cnt - 8 * t - g, 0), 1))
+            tok = tok0 + cutlass.min(8 * t + g, t_cnt - 1)
+            a_src.append(a_base + Int64(cute.crd2idx((tok, c * 8, act_l), mA.layout)) * 2)
+            a_len.append(16 * cutlass.min(cutlass.max(t_cnt - 8 * t - g, 0), 1))
         # this lane's places in a stage: its weight bytes and scale words; the activation chunks
         # it copies (row g, chunks c and c + 4) and the row it addresses for ldmatrix
         nw = 2 * self.rb
@@ -285,12 +320,12 @@ class Sm90Nvfp4StreamGemmKernel:
                 blk = u // 128  # = r * nt + t
                 tok = 8 * (blk % self.nt) + (u % 128) // 16
                 row = n0 + 16 * (blk // self.nt) + u % 16
-                if tok < m_cnt:
+                if tok < t_cnt:
                     off = ring0 + (blk * BLOCK + ((u % 128) // 16) * PITCH + u % 16) * 4
                     s = ld_shared_f32(off)
                     for wi in cutlass.range_constexpr(1, self.warps):
                         s = s + ld_shared_f32(off + wi * self.warp_bytes)
-                    mC[row, tok, grp] = (s * scale).to(self.out_dtype)
+                    mC[row, tok0 + tok, act_l] = (s * scale).to(self.out_dtype)
 
     @cute.jit
     def _issue(self, kt, slot, loads):
@@ -341,17 +376,24 @@ class Sm90Nvfp4StreamGemmKernel:
 
 
 def compile_kernel(
-    rows: int, tokens: int, warps: int, depth: int, *, no_jit_engine: bool = False
+    rows: int,
+    tokens: int,
+    warps: int,
+    depth: int,
+    moe: bool = False,
+    *,
+    no_jit_engine: bool = False,
 ) -> object:
-    """cute.compile one configuration from fake tensors (the tiled kernel's dense / grouped
-    operands: TVM-FFI, env stream); `no_jit_engine` compiles without loading (no GPU needed)."""
-    kernel = Sm90Nvfp4StreamGemmKernel(rows=rows, tokens=tokens, warps=warps, depth=depth)
+    """cute.compile one configuration from fake tensors (the tiled kernel's operands: TVM-FFI,
+    env stream); `no_jit_engine` compiles without loading (no GPU needed)."""
+    kernel = Sm90Nvfp4StreamGemmKernel(rows, tokens, warps, depth, moe)
     kw = {"no_jit_engine": True} if no_jit_engine else {}
-    return cute.compile(kernel, *fake_operands(False), options="--enable-tvm-ffi", **kw)
+    return cute.compile(kernel, *fake_operands(moe), options="--enable-tvm-ffi", **kw)
 
 
 def check_targets() -> list[KernelTarget]:
-    """Every row block and token width, at several warp counts and depths: each must copy its
+    """Every row block and token width, at several warp counts and depths, and two MoE
+    configurations: each must copy its
     weights with 8-byte `cp.async` (LDGSTS) into its ring, wait on copy groups, multiply with
     `mma.sync` m16n8k16 (HMMA.16816 in SASS) through the register decode, park and sum its
     fragments in shared memory, and use no TMA and no wgmma."""
@@ -378,14 +420,18 @@ def check_targets() -> list[KernelTarget]:
         r"DEPBAR",
     )
     variants = [(16, 8, 8, 8), (16, 16, 8, 4), (32, 8, 4, 4), (16, 32, 4, 2), (32, 16, 16, 2)]
+    moe = [(16, 8, 8, 4), (32, 16, 4, 2)]  # + the expert-tile scan (warp shfl.up)
     return [
         KernelTarget(
-            name=f"sm90.stream_gemm.r{r}t{t}w{w}d{d}",
+            name=f"sm90.stream_gemm.{'moe.' if m else ''}r{r}t{t}w{w}d{d}",
             arch="sm_90a",
-            compile=lambda r=r, t=t, w=w, d=d: compile_kernel(r, t, w, d, no_jit_engine=True),
-            ptx_patterns=ptx,
+            compile=lambda r=r, t=t, w=w, d=d, m=m: compile_kernel(
+                r, t, w, d, m, no_jit_engine=True
+            ),
+            ptx_patterns=(*ptx, r"shfl\.sync\.up\.b32") if m else ptx,
             sass_patterns=sass,
             absent_patterns=(r"wgmma", r"cp\.async\.bulk"),
         )
-        for r, t, w, d in variants
+        for m, cfgs in ((False, variants), (True, moe))
+        for r, t, w, d in cfgs
     ]
