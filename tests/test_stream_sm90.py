@@ -102,6 +102,13 @@ def test_moe_grid_limit_and_swiglu_are_refused() -> None:
     a = torch.randn(4, 128, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="no SwiGLU"):
         G.moe(a, offs, wp, tactic=t, swiglu=True, swiglu_limit=10.0)
+    wide = _cpu_weight(2048, 2048, groups=2)
+    rows = 2**31 // 2048  # 32770 token tiles of 32: within the grid, past int32 offsets
+    with pytest.raises(ValueError, match="exceed 2\\^31 elements"):
+        G.moe(torch.empty(rows, 2048, dtype=torch.bfloat16, device="meta"),
+              torch.tensor([0, 0, rows], dtype=torch.int32), wide,
+              tactic=StreamTactic(16, 32, 8, 2),
+              out=torch.empty(rows, 2048, dtype=torch.bfloat16, device="meta"))  # fmt: skip
     rows = 8 * 65535  # min(E, T) + T // 8 > 65535 CTA rows
     big = torch.empty(rows, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="over the grid limit 65535"):

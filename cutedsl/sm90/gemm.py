@@ -96,6 +96,8 @@ def _launch_stream(
             f"{moe_tile_bound(m, wp.groups, tactic.tokens)} MoE tiles, over the grid limit "
             f"{MAX_GRID_Y}"
         )
+    if moe and m * max(wp.k, wp.n) >= 2**31:  # the kernel's activation / output offsets: int32
+        raise ValueError(f"a: {m} rows of {max(wp.k, wp.n)} elements exceed 2^31 elements")
     if not moe and m > tactic.tokens:
         raise ValueError(f"a: {m} rows, tactic {tactic} takes at most {tactic.tokens}")
     if not K.can_implement(wp.n, wp.k, tactic.rows):

@@ -69,7 +69,9 @@ A_ROW = 144  # bytes per staged activation row: 64 k (128 B) + 16, so ldmatrix's
 # distinct 16-byte bank groups
 A_TILE = 8 * A_ROW  # one n8 token tile of one K tile
 BLOCK = 8 * PITCH  # floats per parked 16-row x n8 block
-SMEM_CAPACITY = 232448 - 2048  # sm_90 dynamic shared memory per CTA, less the DSL's static 1 KiB
+# sm_90 dynamic shared memory per CTA, less 2 KiB: the DSL's static 1 KiB and the margin the tiled
+# kernel keeps
+SMEM_CAPACITY = 232448 - 2048
 ROWS = (16, 32)
 TOKENS = (8, 16, 32)
 MAX_WARPS = 16
