@@ -1,4 +1,5 @@
-"""Fresh random NVFP4 test operands shared by the runner tests (quantized with cutedsl.formats)."""
+"""Fresh random NVFP4 test operands shared by the runner and kernel tests (quantized with
+cutedsl.formats, or random codes and scales for the SM90 W4A16 GEMMs), with their references."""
 
 from __future__ import annotations
 
@@ -93,3 +94,60 @@ def sm90_launch_emulator():
             out3[0, s:t] = h
 
     return launch
+
+
+# ---------------------------------------------------------------- the SM90 W4A16 GEMMs
+
+
+def rand_weight(groups: int, n: int, k: int, dev: str = "cuda"):
+    """Random NVFP4 operands: every e2m1 code, e4m3 scales over ~2^-7..2^2, per-group gs."""
+    packed = torch.randint(0, 256, (groups, n, k // 2), dtype=torch.uint8, device=dev)
+    sf = (torch.rand(groups, n, k // 16, device=dev) * 4 + 2**-7).to(torch.float8_e4m3fn)
+    gs = torch.rand(groups, device=dev) * 0.02 + 0.001
+    return packed, sf, gs
+
+
+def ref_w4a16(
+    a: torch.Tensor, packed: torch.Tensor, sf: torch.Tensor, gs: torch.Tensor
+) -> torch.Tensor:
+    """fp32 a @ dequantized(w)^T: the W4A16 GEMMs' reference."""
+    w = formats.dequantize_nvfp4(packed, sf, gs, dtype=torch.float32)
+    return a.float() @ w.t()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Every element written (no NaN left) and within bf16 rounding of the fp32 reference."""
+    assert not torch.isnan(out).any(), f"{what}: NaN left in output (an element was not written)"
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
+    if ref.numel() == 0:
+        return
+    err = (out.float() - ref).abs()
+    tol = 8e-3 * ref.abs() + 2e-3 * ref.abs().max().clamp_min(1e-6)
+    bad = err > tol
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} elements off, max err {err.max().item():.4g}, "
+        f"max |ref| {ref.abs().max().item():.4g}, first at {bad.nonzero()[0].tolist()}"
+    )
+
+
+def poisoned(shape, dev="cuda") -> torch.Tensor:
+    """NaN everywhere: an element a kernel leaves unwritten shows."""
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=dev)
+
+
+def moe_case(e: int, n: int, k: int, counts: list[int]):
+    """Random NVFP4 experts, rows grouped by `counts` per expert: (prepared weight, offs on the
+    device, a, fp32 reference)."""
+    from cutedsl.sm90 import weight as W
+
+    packed, sf, gs = rand_weight(e, n, k)
+    wp = W.prepare_weight(packed, sf, gs)
+    t = sum(counts)
+    offs = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    ref = torch.empty(t, n, device="cuda")
+    o = offs.tolist()
+    for i in range(e):
+        if counts[i]:
+            ref[o[i] : o[i + 1]] = ref_w4a16(a[o[i] : o[i + 1]], packed[i], sf[i], gs[i])
+    return wp, offs, a, ref

@@ -12,6 +12,11 @@ from dataclasses import astuple
 
 import pytest
 import torch
+from nvfp4_data import assert_close as _assert_close
+from nvfp4_data import moe_case as _moe_case
+from nvfp4_data import poisoned as _poison
+from nvfp4_data import rand_weight as _rand_weight
+from nvfp4_data import ref_w4a16 as _ref
 
 from cutedsl import formats, jit
 from cutedsl.sm90 import gemm as G
@@ -428,37 +433,6 @@ def test_fused_swiglu_limits_are_refused() -> None:
 # ------------------------------------------------------------------------------------- GPU
 
 
-def _rand_weight(groups: int, n: int, k: int, dev: str = "cuda"):
-    """Random NVFP4 operands: every e2m1 code, e4m3 scales over ~2^-7..2^2, per-group gs."""
-    packed = torch.randint(0, 256, (groups, n, k // 2), dtype=torch.uint8, device=dev)
-    sf = (torch.rand(groups, n, k // 16, device=dev) * 4 + 2**-7).to(torch.float8_e4m3fn)
-    gs = torch.rand(groups, device=dev) * 0.02 + 0.001
-    return packed, sf, gs
-
-
-def _ref(a: torch.Tensor, packed: torch.Tensor, sf: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-    w = formats.dequantize_nvfp4(packed, sf, gs, dtype=torch.float32)
-    return a.float() @ w.t()
-
-
-def _assert_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert not torch.isnan(out).any(), f"{what}: NaN left in output (an element was not written)"
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} vs {tuple(ref.shape)}"
-    if ref.numel() == 0:
-        return
-    err = (out.float() - ref).abs()
-    tol = 8e-3 * ref.abs() + 2e-3 * ref.abs().max().clamp_min(1e-6)
-    bad = err > tol
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())} elements off, max err {err.max().item():.4g}, "
-        f"max |ref| {ref.abs().max().item():.4g}, first at {bad.nonzero()[0].tolist()}"
-    )
-
-
-def _poison(shape, dev="cuda") -> torch.Tensor:
-    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=dev)
-
-
 DENSE = [  # (name, N, K)
     ("small", 256, 512),
     ("odd_k_tiles", 256, 320),
@@ -741,20 +715,6 @@ def test_every_measured_tactic(n: int, k: int, g: int, m_max: int, tactic: tuple
         G.grouped(a, wp, out=out)
         ref = torch.stack([_ref(a[i], packed[i], sf[i], gs[i]) for i in range(g)])
     _assert_close(out, ref, f"N={n} K={k} G={g} M={m} tactic {tactic}")
-
-
-def _moe_case(e: int, n: int, k: int, counts: list[int]):
-    packed, sf, gs = _rand_weight(e, n, k)
-    wp = W.prepare_weight(packed, sf, gs)
-    t = sum(counts)
-    offs = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32).cuda()
-    a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
-    ref = torch.empty(t, n, device="cuda")
-    o = offs.tolist()
-    for i in range(e):
-        if counts[i]:
-            ref[o[i] : o[i + 1]] = _ref(a[o[i] : o[i + 1]], packed[i], sf[i], gs[i])
-    return wp, offs, a, ref
 
 
 @pytest.mark.sm90

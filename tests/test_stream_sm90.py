@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nvfp4_data import assert_close as _assert_close
+from nvfp4_data import moe_case as _moe_case
+from nvfp4_data import poisoned as _poison
+from nvfp4_data import rand_weight as _rand_weight
+from nvfp4_data import ref_w4a16 as _ref
 
-from cutedsl import formats
 from cutedsl.sm90 import gemm as G
 from cutedsl.sm90 import weight as W
 from cutedsl.sm90.kernels import stream
@@ -124,32 +128,6 @@ def test_stream_jobs_are_stable_and_distinct() -> None:
 # ------------------------------------------------------------------------------------- GPU
 
 
-def _rand_weight(groups: int, n: int, k: int):
-    packed = torch.randint(0, 256, (groups, n, k // 2), dtype=torch.uint8, device="cuda")
-    sf = (torch.rand(groups, n, k // 16, device="cuda") * 4 + 2**-7).to(torch.float8_e4m3fn)
-    gs = torch.rand(groups, device="cuda") * 0.02 + 0.001
-    return packed, sf, gs
-
-
-def _ref(a, packed, sf, gs):
-    return a.float() @ formats.dequantize_nvfp4(packed, sf, gs, dtype=torch.float32).t()
-
-
-def _assert_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert not torch.isnan(out).any(), f"{what}: NaN left in output (an element was not written)"
-    err = (out.float() - ref).abs()
-    tol = 8e-3 * ref.abs() + 2e-3 * ref.abs().max().clamp_min(1e-6)
-    bad = err > tol
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())} elements off, max err {err.max().item():.4g}, "
-        f"first at {bad.nonzero()[0].tolist()}"
-    )
-
-
-def _poison(shape) -> torch.Tensor:
-    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-
-
 CONFIGS = [
     (16, 8, 8, 4),
     (16, 8, 8, 8),
@@ -230,19 +208,6 @@ def test_deterministic_and_graph_capturable() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(first, again) and torch.equal(first, out)
-
-
-def _moe_case(e: int, n: int, k: int, counts: list[int]):
-    packed, sf, gs = _rand_weight(e, n, k)
-    wp = W.prepare_weight(packed, sf, gs)
-    offs = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32).cuda()
-    a = torch.randn(sum(counts), k, device="cuda", dtype=torch.bfloat16)
-    ref = torch.empty(sum(counts), n, device="cuda")
-    o = offs.tolist()
-    for i in range(e):
-        if counts[i]:
-            ref[o[i] : o[i + 1]] = _ref(a[o[i] : o[i + 1]], packed[i], sf[i], gs[i])
-    return wp, offs, a, ref
 
 
 MOE_CONFIGS = [(16, 8, 8, 4), (32, 8, 4, 4), (16, 16, 8, 2), (32, 32, 4, 2)]
