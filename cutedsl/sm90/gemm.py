@@ -61,6 +61,16 @@ def _build(
     )  # fmt: skip
 
 
+def _check_moe_grid(rows: int, experts: int, tile: int, what: str) -> None:
+    """Raise unless a MoE launch of `rows` rows in token tiles of `tile` fits the grid's y."""
+    bound = moe_tile_bound(rows, experts, tile)
+    if bound > MAX_GRID_Y:
+        raise ValueError(
+            f"a: {rows} rows in token tiles of {tile} give up to {bound} MoE tiles, over the "
+            f"grid limit {MAX_GRID_Y}; use a larger {what}"
+        )
+
+
 def _build_stream(
     rows: int, tokens: int, warps: int, depth: int, moe: bool = False, no_jit_engine: bool = False
 ) -> object:
@@ -90,12 +100,8 @@ def _launch_stream(
         raise ValueError(f"tactic {tactic}: {err}")
     m = a3.shape[1]
     moe = offs is not None
-    if moe and moe_tile_bound(m, wp.groups, tactic.tokens) > MAX_GRID_Y:
-        raise ValueError(
-            f"a: {m} rows in token tiles of {tactic.tokens} give up to "
-            f"{moe_tile_bound(m, wp.groups, tactic.tokens)} MoE tiles, over the grid limit "
-            f"{MAX_GRID_Y}"
-        )
+    if moe:
+        _check_moe_grid(m, wp.groups, tactic.tokens, "tokens")
     if moe and m * max(wp.k, wp.n) >= 2**31:  # the kernel's activation / output offsets: int32
         raise ValueError(f"a: {m} rows of {max(wp.k, wp.n)} elements exceed 2^31 elements")
     if not moe and m > tactic.tokens:
@@ -183,12 +189,8 @@ def _launch(
         raise ValueError(f"tactic {tactic}: tile_m {tactic.tile_m} not in {TILE_M_VERIFIED}")
     if moe and tactic.split_k != 1:
         raise NotImplementedError(f"tactic {tactic}: split-K with MoE offsets is not wired")
-    if moe and moe_tile_bound(m, wp.groups, tactic.tile_m) > MAX_GRID_Y:
-        raise ValueError(
-            f"a: {m} rows in token tiles of {tactic.tile_m} give up to "
-            f"{moe_tile_bound(m, wp.groups, tactic.tile_m)} MoE tiles, over the grid limit "
-            f"{MAX_GRID_Y}; use a larger tile_m"
-        )
+    if moe:
+        _check_moe_grid(m, wp.groups, tactic.tile_m, "tile_m")
     kernel(tactic, moe, swiglu, swiglu_limit)(*kernel_operands(a3, wp, out3, offs))
 
 
