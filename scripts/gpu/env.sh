@@ -81,8 +81,14 @@ make_ours() {  # idempotent: build the patched copy once; then check that $PYTHO
     bash "$REPO/apply_patches.sh" --check --vllm-root "$OURS_DIR/vllm"
 }
 step() {  # step NAME TIMEOUT CMD...: run, log to $R/NAME.log, one summary line
-    local name=$1 t=$2 s=$SECONDS rc; shift 2
-    timeout "$t" "$@" >"$R/$name.log" 2>&1; rc=$?
+    local name=$1 t=$2 s=$SECONDS rc pidf="$RUN_DIR/step_$1.pid"; shift 2
+    # timeout runs CMD in a process group of its own, which outlives a driver killed mid-step:
+    # the same step of a killed earlier call is ended before this one starts
+    [ -f "$pidf" ] && kill -KILL -- "-$(cat "$pidf")" 2>/dev/null
+    timeout "$t" "$@" >"$R/$name.log" 2>&1 </dev/null &
+    echo $! >"$pidf"
+    wait $!; rc=$?
+    rm -f "$pidf"
     echo "$(date -u +%T) $name rc=$rc took=$((SECONDS - s))s (limit ${t}s)" | tee -a "$OUT/summary.txt"
     return $rc
 }

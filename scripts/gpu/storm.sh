@@ -184,6 +184,7 @@ if [ -f "$S/restart_serving.done" ] && [ ! -f "$R/restart.json" ] && [ "$(left)"
     t0=$SECONDS
     wait_healthy 8010 "$RP" $(($(left) - 40)); rc=$?
     [ $rc = 2 ] && { note "restart server not healthy yet; call again"; exit 0; }
+    waited=$((SECONDS - t0))
     ok=false
     if [ $rc = 0 ]; then
         model=$(curl -s http://127.0.0.1:8010/v1/models | "$PYTHON" -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
@@ -198,7 +199,7 @@ sys.exit(0 if d["errors"] == 0 and d["requests"] > 0 and d["greedy_ok"] else 1)'
             "$R/restart_check.json" 2>/dev/null && ok=true
     fi
     stop_server "$RP"; stopped=$?
-    record 4 "{\"start\": \"after_kill_during_serving\", \"healthy\": $(tf $rc), \"waited_s\": $((SECONDS - t0)), \"serves\": $ok, \"stopped_on_sigterm\": $(tf $stopped)}"
+    record 4 "{\"start\": \"after_kill_during_serving\", \"healthy\": $(tf $rc), \"waited_s\": $waited, \"serves\": $ok, \"stopped_on_sigterm\": $(tf $stopped)}"
     step cache_restart 300 "$PYTHON" "$REPO/bench/cache_integrity.py" --cutedsl "$S/cache_restart/cutedsl" \
         --tilelang "$S/cache_restart/tilelang" --out "$R/cache_restart.json"
     # Corrupt entries the restarted server met and replaced are in its log (jit.py / TileLang warnings).
