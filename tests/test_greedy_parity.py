@@ -340,7 +340,8 @@ print(json.dumps({"ignored": ignored, "model": ea.model, "kv": ea.kv_cache_dtype
                   "mode": str(cc["cudagraph_mode"] if isinstance(cc, dict) else cc.cudagraph_mode),
                   "tok": ea.tokenizer_mode, "len": ea.max_model_len, "seqs": ea.max_num_seqs,
                   "kvb": ea.kv_cache_memory_bytes, "sizes": ea.cudagraph_capture_sizes,
-                  "reasoning": ea.reasoning_parser}))
+                  "reasoning": ea.reasoning_parser,
+                  "inductor": cc["inductor_compile_config"] if isinstance(cc, dict) else cc.inductor_compile_config}))
 """
 
 
@@ -364,6 +365,21 @@ def test_the_servers_flags_build_the_same_engine_args(tmp_path: Path) -> None:
         16000000000,
         [1, 2, 4],
     )
+    # one Triton config per Inductor reduction (the same kernels in a compiling and a loading process)
+    want = {"test_configs.force_filter_reduction_configs": True, "dynamic_scale_rblock": False}
+    assert {k: got["inductor"].get(k) for k in want} == want
+
+
+def test_the_inductor_settings_of_the_flags_exist_in_torch() -> None:
+    """A misspelt key would only fail inside the server's first compile: each one patches
+    Inductor's config and changes the setting it names."""
+    import torch._inductor.config as ic
+
+    want = {"test_configs.force_filter_reduction_configs": True, "dynamic_scale_rblock": False}
+    before = {k: ic.get_config_copy()[k] for k in want}
+    assert before != want  # the flags change Inductor's defaults
+    with ic.patch(want):
+        assert {k: ic.get_config_copy()[k] for k in want} == want
 
 
 def test_server_down_is_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:

@@ -133,11 +133,10 @@ FLASH_ARGS=(--served-model-name flash --max-model-len 10240 --max-num-seqs "$MAX
     --kv-cache-memory-bytes "$KV_CACHE_BYTES" --gpu-memory-utilization "$GPU_MEM_UTIL"
     --cudagraph-capture-sizes $CAPTURE_SIZES --enable-prompt-tokens-details)
 # The servers' own environment: the worker's phase annotations for the profiler, and
-# FLASH_EXTRA_ENV's K=V words (e.g. TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS=1: Inductor
-# keeps one config per reduction kernel instead of timing several; its full deterministic mode,
-# TORCHINDUCTOR_DETERMINISTIC=1, also bans the combo-kernel benchmarking vLLM turns on). vLLM keys its torch.compile cache on its VLLM_* variables
-# (vllm/envs.py compile_factors), so an engine built to match a server (bench/greedy_parity.py
-# offline) takes these too.
+# FLASH_EXTRA_ENV's K=V words (e.g. TORCHINDUCTOR_* settings for an experiment; the reduction-config
+# setting both servers need is in DSV4_ENGINE_FLAGS). vLLM keys its torch.compile cache on its
+# VLLM_* variables (vllm/envs.py compile_factors), so an engine built to match a server
+# (bench/greedy_parity.py offline) takes these too.
 # shellcheck disable=SC2206
 FLASH_ENV=(VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 ${FLASH_EXTRA_ENV:-})
 flash_port() { case $1 in ours) echo 8001 ;; upstream) echo 8002 ;; esac; }
