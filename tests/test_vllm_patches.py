@@ -105,7 +105,12 @@ def test_manifest_pins_the_installed_vllm() -> None:
 
     assert md.version("vllm") == VERSION == "0.21.0"
     names = sorted(n for n, _, _ in ENTRIES)
-    assert names == ["deepseek_v4.py", "deepseek_v4_attention.py"]
+    assert names == [
+        "deepseek_compressor.py",
+        "deepseek_v4.py",
+        "deepseek_v4_attention.py",
+        "sparse_swa.py",
+    ]
     for _, rel, sha in ENTRIES:
         assert _sha(_pristine(rel)) == sha, f"pristine {rel} differs from the manifest"
 

@@ -1,4 +1,4 @@
-"""Adapters between vLLM 0.21.0 and the cutedsl runners, used by the two overlaid DSv4 files.
+"""Adapters between vLLM 0.21.0 and the cutedsl runners, used by the overlaid vLLM files.
 
 Imported only inside a vLLM process (they import vLLM); the math lives in the runners.
   quant        which quant config / methods a DSv4 layer gets (the dispatch the overlay calls)
@@ -10,6 +10,7 @@ Imported only inside a vLLM process (they import vLLM); the math lives in the ru
   names        HF-transformers / ModelOpt tensor names -> DeepSeek native names (mapper rules)
   checks       loading: name the tensor behind a loader error; fail on missing NVFP4 tensors
   prefetch     our kernels compiled in background processes while the weights load
+  token_index  each step's token -> request index on the GPU (the two metadata builder overlays)
 """
 
 import logging
