@@ -16,7 +16,7 @@ import torch
 
 from cutedsl.bench import gemm_sm90 as B
 from cutedsl.sm90 import tactics
-from cutedsl.sm90.tactics import GpuSpec, Tactic
+from cutedsl.sm90.tactics import GpuSpec, StreamTactic, Tactic
 from cutedsl.tools import tiny_model
 
 ANCHORS = "/work/shared/research/anchors.md"
@@ -411,9 +411,34 @@ def test_candidate_tactics_are_valid_and_start_with_the_launch_tactic():
 
 
 def test_rows_record_tactics_as_lists_and_sweep_keys_as_str():
+    from cutedsl.bench import tune_sm90 as T
+
     t = Tactic(128, 16, 2)
     assert B.tactic_list(t) == [128, 16, 2] and Tactic(*B.tactic_list(t)) == t
     assert str(t) == "128x16x2"  # the sweep_us key tune_sm90 parses back
+    s = StreamTactic(32, 8, 16, 2)
+    assert B.tactic_list(s) == str(s) == "s32x8w16d2"  # by name, a stream_sweep_us key
+    assert T.table_entry(str(s)) == {"kernel": "stream", "tactic": [32, 8, 16, 2]}
+    assert T.row_candidates({"tactic": "s32x8w16d2", "us": 3.0, "sweep_us": {"64x16x1": 4.0}}) == {
+        "64x16x1": 4.0,
+        "s32x8w16d2": 3.0,
+    }
+
+
+def test_candidates_of_a_streaming_decode_row_include_the_tiled_kernel():
+    """Where the tuned table names the streaming kernel (H100, Flash wo_b, M = 1), a sweep times
+    it and the tiled kernel's own choice and neighbours."""
+    h100 = GpuSpec("NVIDIA H100 80GB HBM3", 132)
+    c = B.candidate_tactics(1, 4096, 8192, 1, False, spec=h100)
+    assert (
+        c[0] == StreamTactic(32, 8, 16, 2) == tactics.launch_tactic(1, 4096, 8192, 1, False, h100)
+    )
+    assert (
+        c[1]
+        == tactics.choose_tactic(1, 4096, 8192, 1, spec=h100, stream=False)
+        == Tactic(64, 16, 4)
+    )
+    assert len(c) >= 4 and all(isinstance(t, Tactic) for t in c[1:])
 
 
 def test_bench_runner_gives_each_benchmark_its_own_output_files() -> None:
@@ -547,6 +572,53 @@ def test_tune_table_from_a_grid_sweep(tmp_path, monkeypatch):
     assert not (tmp_path / "none.json").exists()
 
 
+def test_tune_takes_the_streaming_kernel_where_it_was_faster(tmp_path, monkeypatch):
+    """A --impls ours,stream run over an existing table (--base): per (shape, M), the fastest of
+    the run's streaming configurations and its default launch's tactic, all timed in that run;
+    the base keeps its other entries; the loader reads a streaming entry as a StreamTactic for
+    the M range of its bucket. MoE rows stay out; a base of another GPU is refused."""
+    from cutedsl.bench import tune_sm90 as T
+
+    monkeypatch.setattr(tactics, "TUNED_DIR", tmp_path)
+    spec = GpuSpec("Fake GPU", 7)
+    base = tmp_path / "base.json"
+    assert T.main([*_write(tmp_path, _sweeps()), "-o", str(base)]) == 0
+
+    def row(m, us, stream):
+        return dict(shape="flash.x", kind="dense", N=1536, K=4096, G=None, M=m, tactic=[64, 16, 8],
+                    us=us, stream_sweep_us=stream)  # fmt: skip
+
+    run = dict(command="c3", date="d3", device="Fake GPU", sms=7, cutlass_dsl="4.4.2", rows=[
+        row(1, 5.4, {"s16x8w16d2": 4.9, "s32x8w8d2": 5.2}),
+        row(4, 5.5, {"s16x8w16d2": 5.9}),
+        dict(shape="flash.r", kind="moe", N=4096, K=4096, G=256, M=1, tactic=[64, 16, 1], us=9.0,
+             stream_sweep_us={"s32x8w4d2": 8.0}),
+    ])  # fmt: skip
+    assert T.main(["--base", str(base), *_write(tmp_path, [run], "r")]) == 0
+    table = json.loads(spec.table_file.read_text())
+    assert list(table["dense"]) == ["1536,4096,1"]
+    x = table["dense"]["1536,4096,1"]
+    assert x["1"] == {"kernel": "stream", "tactic": [16, 8, 16, 2], "us": 4.9,
+                      "next": "s32x8w8d2", "next_us": 5.2, "shape": "flash.x"}  # fmt: skip
+    assert x["4"]["tactic"] == [64, 16, 8] and "kernel" not in x["4"]
+    assert x["4"]["next"] == "s16x8w16d2"
+    assert x["16"]["tactic"] == [64, 16, 8] and x["64"]["tactic"] == [64, 64, 8]  # the base's
+    assert [s["command"] for s in table["meta"]["sources"]] == ["c1", "c2", "c3"]
+    tactics.tuned_table.cache_clear()
+    try:
+        assert tactics.choose_tactic(1, 1536, 4096, 1, spec=spec) == StreamTactic(16, 8, 16, 2)
+        assert tactics.choose_tactic(2, 1536, 4096, 1, spec=spec) == Tactic(64, 16, 8)
+        got = tactics.reachable_tactics(1536, 4096, 1, False, 64, spec)
+        assert {StreamTactic(16, 8, 16, 2), Tactic(64, 16, 8), Tactic(64, 64, 8)} <= got
+    finally:
+        tactics.tuned_table.cache_clear()
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(table, meta=dict(table["meta"], num_sms=8))))
+    out = tmp_path / "o.json"
+    assert T.main(["--base", str(other), *_write(tmp_path, [run], "q"), "-o", str(out)]) == 2
+    assert not out.exists()
+
+
 def test_tune_refuses_mixed_or_unknown_devices(tmp_path, capsys):
     from cutedsl.bench import tune_sm90 as T
 
@@ -567,21 +639,25 @@ def test_tune_refuses_mixed_or_unknown_devices(tmp_path, capsys):
     assert json.loads(open(out).read())["meta"]["num_sms"] == 7
 
 
-def test_committed_tuned_table_is_well_formed():
+@pytest.mark.parametrize(
+    "spec", [H200, GpuSpec("NVIDIA H100 80GB HBM3", 132)], ids=lambda s: s.name
+)
+def test_committed_tuned_table_is_well_formed(spec):
     from cutedsl.bench import tune_sm90 as T
 
-    text = H200.table_file.read_text()
+    text = spec.table_file.read_text()
     table = json.loads(text)
-    assert H200.table_file.name == "NVIDIA_H200.json"
-    assert (table["meta"]["device"], table["meta"]["num_sms"]) == ("NVIDIA H200", 132)
-    assert all(s["device"] == "NVIDIA H200" for s in table["meta"]["sources"])
+    assert spec.table_file.name == spec.name.replace(" ", "_") + ".json"
+    assert (table["meta"]["device"], table["meta"]["num_sms"]) == (spec.name, spec.num_sms)
+    assert all(s["device"] == spec.name for s in table["meta"]["sources"])
     assert T.format_table(table) == text  # the tuner's line-per-entry format
     for key, per_m in table["dense"].items():
         assert len(key.split(",")) == 3 and per_m
         for m, e in per_m.items():
-            assert int(m) > 0 and e["us"] <= e["next_us"] and len(e["tactic"]) == 3
-            assert str(Tactic(*e["tactic"])) == "x".join(map(str, e["tactic"]))
-    loaded = tactics.tuned_table(H200)
+            assert int(m) > 0 and e["us"] <= e["next_us"]
+            t = tactics.table_tactic(e, int(m))  # a streaming entry holds its M's tokens
+            assert T.table_entry(str(t)) == {k: e[k] for k in ("kernel", "tactic") if k in e}
+    loaded = tactics.tuned_table(spec)
     assert sum(map(len, loaded.values())) == sum(map(len, table["dense"].values()))
 
 

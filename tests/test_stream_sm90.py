@@ -1,5 +1,5 @@
-"""sm_90a streaming decode GEMM (cutedsl/sm90/kernels/stream.py; forced through
-`cutedsl.sm90.gemm` with a `StreamTactic`).
+"""sm_90a streaming decode GEMM (cutedsl/sm90/kernels/stream.py; through `cutedsl.sm90.gemm` with
+a `StreamTactic`, forced or named by a GPU's tuned table).
 
 CPU: every check target compiles for sm_90a with its cp.async ring, mma.sync and the register
 decode; configuration limits; what a launch refuses before compiling.
@@ -125,6 +125,41 @@ def test_stream_jobs_are_stable_and_distinct() -> None:
     assert [j.args for j in G.stream_jobs(ts[:1], moe=True)] == [(32, 8, 4, 4, True)]
 
 
+def test_jobs_split_tiled_and_streaming_tactics() -> None:
+    """A warm-up's (tactic, moe) set may mix both kernels (a tuned table's decode rows): each
+    tactic gets its own kernel's job; the streaming kernel has no fused SwiGLU."""
+    from cutedsl.sm90.tactics import Tactic
+
+    mixed = {
+        (Tactic(64, 16, 4), False),
+        (StreamTactic(32, 8, 16, 2), False),
+        (Tactic(64, 16, 1), True),
+    }
+    jobs = G.jobs(mixed)
+    assert [(j.build, j.args) for j in jobs] == [
+        (G._build, (64, 16, 1, True)),
+        (G._build, (64, 16, 4, False)),
+        (G._build_stream, (32, 8, 16, 2, False)),
+    ]
+    with pytest.raises(NotImplementedError, match="no SwiGLU"):
+        G.jobs(mixed, swiglu=True, swiglu_limit=7.0)
+
+
+def test_table_configurations_are_tested() -> None:
+    """Every streaming configuration a committed tuned table names runs in the GPU tests below
+    (the dense test, every shape)."""
+    import json
+
+    from cutedsl.sm90.tactics import TUNED_DIR
+
+    named = set()
+    for path in sorted(TUNED_DIR.glob("*.json")):
+        for per_m in json.loads(path.read_text())["dense"].values():
+            named |= {tuple(e["tactic"]) for e in per_m.values() if e.get("kernel") == "stream"}
+    assert named, "no table names the streaming kernel: this check would check nothing"
+    assert named <= set(CONFIGS), sorted(named - set(CONFIGS))
+
+
 # ------------------------------------------------------------------------------------- GPU
 
 
@@ -138,6 +173,11 @@ CONFIGS = [
     (16, 32, 4, 2),
     (32, 32, 8, 2),
     (16, 8, 1, 3),  # one warp: no cross-warp sum
+    # and every configuration a committed tuned table names (test_table_configurations_are_tested)
+    (16, 8, 8, 2),
+    (32, 8, 4, 2),
+    (32, 8, 8, 2),
+    (32, 8, 16, 2),
 ]
 SHAPES = [  # (name, N, K): DSv4-Flash decode shapes and K tile counts below, at and off the warps
     ("flash.fused_wqa_wkv", 1536, 4096),

@@ -12,9 +12,11 @@ import pytest
 from cutedsl.sm90 import runners
 from cutedsl.sm90.tactics import (
     GpuSpec,
+    StreamTactic,
     Tactic,
     launch_tactic,
     reachable_tactics,
+    table_tactic,
     tuned_table,
 )
 
@@ -69,6 +71,27 @@ def test_random_shapes_and_gpus() -> None:
             moe,
             max_rows,
         )
+
+
+def test_table_entries_are_checked() -> None:
+    assert table_tactic({"tactic": [64, 16, 4]}, 16) == Tactic(64, 16, 4)
+    stream = {"kernel": "stream", "tactic": [32, 8, 16, 2]}
+    assert table_tactic(stream, 4) == StreamTactic(32, 8, 16, 2)
+    with pytest.raises(ValueError, match="at M = 16 takes at most 8 tokens"):
+        table_tactic(stream, 16)
+    with pytest.raises(ValueError, match="kernel 'fast'"):
+        table_tactic({"kernel": "fast", "tactic": [1]}, 1)
+
+
+def test_h100_decode_rows_take_the_streaming_kernel_where_it_was_faster() -> None:
+    """bench/results/h100/gemm_sm90_stream.md: Flash wo_b (N 4096, K 8192) at M = 1 and 4 ran
+    fastest on the streaming kernel, wq_b (N 32768, K 1024) on the tiled one."""
+    assert launch_tactic(1, 4096, 8192, 1, False, H100) == StreamTactic(32, 8, 16, 2)
+    assert launch_tactic(3, 4096, 8192, 1, False, H100) == StreamTactic(32, 8, 16, 2)
+    assert isinstance(launch_tactic(5, 4096, 8192, 1, False, H100), Tactic)
+    assert isinstance(launch_tactic(1, 32768, 1024, 1, False, H100), Tactic)
+    # MoE launches never take it from a table (rows per expert are unknown on the host)
+    assert isinstance(launch_tactic(1, 4096, 4096, 256, True, H100), Tactic)
 
 
 def test_no_rows_no_tactics() -> None:

@@ -34,7 +34,9 @@ stream hides; `pct_copy_time` = copy_us / ours us.
 
 Columns:
 - ours: `cutedsl.sm90.gemm` linear / grouped / moe (BF16 activations, no activation quantization
-  at all), the tactic a launch takes on this GPU (`cutedsl.sm90.tactics.launch_tactic`).
+  at all), the tactic a launch takes on this GPU (`cutedsl.sm90.tactics.launch_tactic`; where the
+  GPU's tuned table names the streaming decode kernel for a decode row, that kernel, its
+  `tactic` recorded by name, e.g. s32x8w16d2).
 - cuBLAS: torch.matmul (dense) / torch.bmm (wo_a), BF16; routed experts: torch._grouped_mm (BF16,
   CUTLASS in torch, not cuBLAS; named in `cublas_impl`).
 - Marlin: vLLM 0.21.0 NVFP4 W4A16. Dense: `apply_fp4_marlin_linear`. Routed experts: one
@@ -101,7 +103,16 @@ import torch
 
 from cutedsl import jit
 from cutedsl.bench.common import gpu_problem, graph_time_us, make_parser
-from cutedsl.sm90.tactics import BK, TILE_M_VERIFIED, GpuSpec, Tactic, gpu_spec, launch_tactic
+from cutedsl.sm90.tactics import (
+    BK,
+    TILE_M_VERIFIED,
+    GpuSpec,
+    StreamTactic,
+    Tactic,
+    choose_tactic,
+    gpu_spec,
+    launch_tactic,
+)
 
 L2_BYTES = 60 * 2**20
 M_LIST = [1, 4, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384]
@@ -473,9 +484,12 @@ def candidate_tactics(
     from cutedsl.sm90.kernels.gemm import Sm90Nvfp4W4A16GemmKernel as Kern  # imports cutlass
 
     t0 = launch_tactic(m, n, k, groups, moe, spec)
+    cands: list = [t0]
+    if isinstance(t0, StreamTactic):  # a tuned table's decode row: the tiled kernel's tactics too
+        t0 = choose_tactic(m, n, k, groups, moe, spec=spec, stream=False)
+        cands.append(t0)
     tn, tm, sk = t0.tile_n, t0.tile_m, t0.split_k
     tiles = list(TILE_M_VERIFIED)
-    cands = [t0]
     if grid and not moe:
         if m <= 32:
             tms = [next(t for t in tiles if t >= m)]
@@ -490,9 +504,12 @@ def candidate_tactics(
                   if 0 <= j < len(tiles)]  # fmt: skip
         if not moe:
             cands += [Tactic(tn, tm, max(1, sk // 2)), Tactic(tn, tm, sk * 2)]
-    out: list[Tactic] = []
+    out: list = []
     kt = k // BK
     for c in cands:
+        if isinstance(c, StreamTactic):
+            out.append(c)
+            continue
         if c in out or not Kern.can_implement(n, k, c.tile_n, c.split_k) or kt // c.split_k < 2:
             continue
         if Kern.split_error(c.tile_m, c.split_k, moe):
@@ -501,8 +518,11 @@ def candidate_tactics(
     return out
 
 
-def tactic_list(t: Tactic) -> list[int]:
-    """A Tactic as the rows record it: [tile_n, tile_m, split_k]."""
+def tactic_list(t: Tactic | StreamTactic) -> list[int] | str:
+    """A tactic as the rows record it: a Tactic as [tile_n, tile_m, split_k], a StreamTactic as
+    its name (s<rows>x<tokens>w<warps>d<depth>, a key of "stream_sweep_us")."""
+    if isinstance(t, StreamTactic):
+        return str(t)
     return [t.tile_n, t.tile_m, t.split_k]
 
 
@@ -1236,7 +1256,7 @@ def _cell(r: dict, key: str, fmt: str) -> str:
             return "n/a"
         return "-"
     if fmt == "t":
-        return "x".join(str(x) for x in v)
+        return v if isinstance(v, str) else "x".join(str(x) for x in v)
     return format(v, fmt)
 
 

@@ -2,8 +2,11 @@
 (what `cutedsl.sm90.tactics.choose_tactic` reads on that GPU), from the JSON of
 `python -m cutedsl.bench.gemm_sm90 --sweep grid` runs on it (a table tool: no GPU needed).
 
-For every (N, K, groups) and measured M, the fastest tactic timed; later files win for the same
-(shape, M). MoE shapes are skipped (routed rows per expert are unknown on the host; their tactic
+For every (N, K, groups) and measured M, the fastest tactic timed in one run: the grid sweep's
+tactics (`sweep_us`), the streaming decode kernel's configurations (`stream_sweep_us`, from
+`--impls stream`; such an entry reads {"kernel": "stream", "tactic": [rows, tokens, warps,
+depth]}) and the tactic the run's default launch took (`tactic`, `us`); later files win for the
+same (shape, M), and `--base` starts from an existing table. MoE shapes are skipped (routed rows per expert are unknown on the host; their tactic
 stays a rule). Every sweep must come from one device: the table's meta records its name and SM
 count (the sweeps' "device" and "sms"; --num-sms where a sweep does not record it), and the loader
 ignores the table on a GPU of that name with another SM count. The meta also keeps the provenance
@@ -26,7 +29,31 @@ EXAMPLES = [
     "on an H200's sweep",
     "python -m cutedsl.bench.tune_sm90 sweep.json sweep_m2048.json -o /tmp/table.json",
     'python -m cutedsl.bench.tune_sm90 old_sweep.json --num-sms 132   # a sweep without "sms"',
+    "python -m cutedsl.bench.tune_sm90 --base cutedsl/tuned/sm90/NVIDIA_H200.json stream.json"
+    "   # + a --impls ours,stream run",
 ]
+
+
+def row_candidates(r: dict) -> dict[str, float]:
+    """The configurations one bench row timed, by name ("64x16x8", "s32x8w16d2"): its grid
+    sweep, its streaming-kernel sweep, and the default launch's tactic at its time."""
+    times = dict(r.get("sweep_us") or {})
+    times.update(r.get("stream_sweep_us") or {})
+    t = r.get("tactic")
+    if t and r.get("us") is not None:  # a streaming tactic is recorded by its name
+        times.setdefault(t if isinstance(t, str) else "x".join(str(x) for x in t), r["us"])
+    return times
+
+
+def table_entry(name: str) -> dict:
+    """{"tactic": [...]} of a tiled tactic name, {"kernel": "stream", "tactic": [...]} of a
+    streaming one (StreamTactic's str: s<rows>x<tokens>w<warps>d<depth>)."""
+    if name.startswith("s"):
+        rows, rest = name[1:].split("x")
+        tokens, rest = rest.split("w")
+        warps, depth = rest.split("d")
+        return {"kernel": "stream", "tactic": [int(rows), int(tokens), int(warps), int(depth)]}
+    return {"tactic": [int(x) for x in name.split("x")]}
 
 
 def sweep_device(sweeps: list[dict], num_sms: int | None = None) -> GpuSpec:
@@ -52,22 +79,32 @@ def sweep_device(sweeps: list[dict], num_sms: int | None = None) -> GpuSpec:
     return GpuSpec(names.pop(), num_sms)
 
 
-def table_from_sweeps(sweeps: list[dict], spec: GpuSpec) -> dict:
+def table_from_sweeps(sweeps: list[dict], spec: GpuSpec, base: dict | None = None) -> dict:
     """{"meta": {...}, "dense": {"N,K,G": {"M": {"tactic": [tn, tm, sk], "us": t, "next": ...}}}}
-    for the GPU `spec` (`sweep_device`)."""
-    dense: dict[str, dict[str, dict]] = {}
-    sources = []
+    for the GPU `spec` (`sweep_device`), over the entries and sources of `base` (a table of the
+    same GPU) when given."""
+    if base is not None:
+        bm = base["meta"]
+        if (bm.get("device"), bm.get("num_sms")) != (spec.name, spec.num_sms):
+            raise ValueError(
+                f"--base is a table of {bm.get('device')} ({bm.get('num_sms')} SMs), the runs "
+                f"are of {spec.name} ({spec.num_sms} SMs)"
+            )
+    dense: dict[str, dict[str, dict]] = {
+        k: dict(v) for k, v in (base["dense"] if base else {}).items()
+    }
+    sources = list(base["meta"].get("sources", [])) if base else []
     for sw in sweeps:
         sources.append({k: sw.get(k) for k in ("command", "date", "device", "cutlass_dsl")})
         for r in sw["rows"]:
-            times = r.get("sweep_us") or {}
+            times = row_candidates(r)
             if r["kind"] == "moe" or len(times) < 2:
                 continue
             ranked = sorted(times.items(), key=lambda kv: kv[1])
             (best, us), (nxt, nus) = ranked[0], ranked[1]
             key = f"{r['N']},{r['K']},{r['G'] or 1}"
             dense.setdefault(key, {})[str(r["M"])] = {
-                "tactic": [int(x) for x in best.split("x")],
+                **table_entry(best),
                 "us": us,
                 "next": nxt,
                 "next_us": nus,
@@ -76,9 +113,11 @@ def table_from_sweeps(sweeps: list[dict], spec: GpuSpec) -> dict:
     for key in dense:  # M ascending, for readers
         dense[key] = dict(sorted(dense[key].items(), key=lambda kv: int(kv[0])))
     meta = {
-        "what": "fastest measured (tile_n, tile_m, split_k) per dense / grouped shape and M, from "
-        "`python -m cutedsl.bench.gemm_sm90 --sweep grid`; cutedsl.sm90.tactics.choose_tactic uses "
-        "the entry of the smallest measured M >= m, and its rule beyond the largest",
+        "what": "fastest measured tactic per dense / grouped shape and M: (tile_n, tile_m, split_k) "
+        "of the tiled kernel from `python -m cutedsl.bench.gemm_sm90 --sweep grid`, or (rows, "
+        "tokens, warps, depth) of the streaming decode kernel (kernel 'stream') from its "
+        "`--impls stream` sweep; cutedsl.sm90.tactics.choose_tactic uses the entry of the "
+        "smallest measured M >= m, and its rule beyond the largest",
         "built_by": "python -m cutedsl.bench.tune_sm90",
         "device": spec.name,
         "num_sms": spec.num_sms,
@@ -106,7 +145,16 @@ def format_table(table: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = make_parser("cutedsl.bench.tune_sm90", __doc__, EXAMPLES)
-    p.add_argument("sweeps", nargs="+", help="JSON files of gemm_sm90 --sweep grid runs")
+    p.add_argument(
+        "sweeps",
+        nargs="+",
+        help="JSON files of gemm_sm90 runs (--sweep grid and / or --impls stream)",
+    )
+    p.add_argument(
+        "--base",
+        default=None,
+        help="a tuned table of the same GPU to start from (the runs' entries replace its own)",
+    )
     p.add_argument(
         "-o",
         "--out",
@@ -128,12 +176,20 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, json.JSONDecodeError) as e:
             print(f"tune_sm90: cannot read {path}: {e}", file=sys.stderr)
             return 2
+    base = None
+    if args.base:
+        try:
+            with open(args.base) as f:
+                base = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"tune_sm90: cannot read --base {args.base}: {e}", file=sys.stderr)
+            return 2
     try:
         spec = sweep_device(sweeps, args.num_sms)
+        table = table_from_sweeps(sweeps, spec, base)
     except ValueError as e:
         print(f"tune_sm90: {e}", file=sys.stderr)
         return 2
-    table = table_from_sweeps(sweeps, spec)
     if not table["dense"]:
         print(
             f"tune_sm90: no dense / grouped rows with a grid sweep in {args.sweeps}",

@@ -10,11 +10,11 @@ E experts, T routed rows (MoE).
       the clamped SwiGLU in its epilogue: the bits of moe() then `cutedsl.sm90.swiglu`)
 
 BF16 activations and outputs, fp32 accumulation; `wp` is a `cutedsl.sm90.weight.Weight`. Without a
-forced `tactic`, a launch takes `tactics.launch_tactic` for its M on its GPU. A forced
-`tactics.StreamTactic` runs the launch on the streaming decode kernel
-(`cutedsl.sm90.kernels.stream`: same operands, another summation order): a dense / grouped one
-of at most its `tokens` rows, or a MoE one (no fused SwiGLU) in tiles of `tokens` rows per
-expert.
+forced `tactic`, a launch takes `tactics.launch_tactic` for its M on its GPU. A
+`tactics.StreamTactic` (forced, or named by the GPU's tuned table for a dense / grouped M) runs
+the launch on the streaming decode kernel (`cutedsl.sm90.kernels.stream`: same operands, another
+summation order): a dense / grouped one of at most its `tokens` rows, or a MoE one (no fused
+SwiGLU) in tiles of `tokens` rows per expert.
 Compile cache: `cutedsl.jit`, keyed on the compile-time values only (the Tactic, the MoE flag and a
 fused SwiGLU's limit);
 M, N, K, the group count, strides and addresses are runtime values (fake tensors with symbolic
@@ -92,7 +92,7 @@ def _launch_stream(
     a3: torch.Tensor, wp: Weight, out3: torch.Tensor, offs: torch.Tensor | None,
     tactic: StreamTactic,
 ) -> None:  # fmt: skip
-    """Check a forced StreamTactic against the launch, then run it."""
+    """Check a StreamTactic against the launch, then run it."""
     from cutedsl.sm90.kernels.stream import Sm90Nvfp4StreamGemmKernel as K
 
     err = K.config_error(tactic.rows, tactic.tokens, tactic.warps, tactic.depth)
@@ -127,15 +127,28 @@ def kernel(
 
 
 def jobs(
-    tactics: Iterable[tuple[Tactic, bool]], swiglu: bool = False, swiglu_limit: float | None = None
+    tactics: Iterable[tuple[Tactic | StreamTactic, bool]],
+    swiglu: bool = False,
+    swiglu_limit: float | None = None,
 ) -> list[jit.Job]:
-    """The `jit.Job` of each (tactic, moe) variant with one epilogue, in a stable order."""
+    """The `jit.Job` of each (tactic, moe) variant with one epilogue, in a stable order (the
+    tiled kernel's, then the streaming kernel's, which has only the plain epilogue)."""
     kw = tuple(sorted(_epilogue_kwargs(swiglu, swiglu_limit).items()))
-    return [jit.Job(_build, (t.tile_n, t.tile_m, t.split_k, moe), kw) for t, moe in sorted(tactics)]
+    tactics = list(tactics)
+    tiled = sorted((t, moe) for t, moe in tactics if isinstance(t, Tactic))
+    stream = sorted((t, moe) for t, moe in tactics if isinstance(t, StreamTactic))
+    if stream and swiglu:
+        raise NotImplementedError(f"tactic {stream[0][0]}: the streaming kernel has no SwiGLU")
+    out = [jit.Job(_build, (t.tile_n, t.tile_m, t.split_k, moe), kw) for t, moe in tiled]
+    for moe in (False, True):
+        out += stream_jobs([t for t, m in stream if m == moe], moe)
+    return out
 
 
 def precompile(
-    tactics: Iterable[tuple[Tactic, bool]], swiglu: bool = False, swiglu_limit: float | None = None
+    tactics: Iterable[tuple[Tactic | StreamTactic, bool]],
+    swiglu: bool = False,
+    swiglu_limit: float | None = None,
 ) -> None:
     """Compile (or load) (tactic, moe) variants before CUDA-graph capture."""
     jit.ensure(jobs(tactics, swiglu, swiglu_limit))
@@ -178,13 +191,13 @@ def _launch(
     `swiglu`, out3 has N / 2 columns."""
     la, m, k = a3.shape
     moe = offs is not None
+    if tactic is None:
+        tactic = launch_tactic(m, wp.n, k, wp.groups, moe, gpu_spec(a3.device))
     if isinstance(tactic, StreamTactic):
         if swiglu:
             raise NotImplementedError(f"tactic {tactic}: the streaming kernel has no SwiGLU")
         _launch_stream(a3, wp, out3, offs, tactic)
         return
-    if tactic is None:
-        tactic = launch_tactic(m, wp.n, k, wp.groups, moe, gpu_spec(a3.device))
     if tactic.tile_m not in TILE_M_VERIFIED:
         raise ValueError(f"tactic {tactic}: tile_m {tactic.tile_m} not in {TILE_M_VERIFIED}")
     if moe and tactic.split_k != 1:

@@ -32,7 +32,7 @@ import torch
 
 from cutedsl import jit
 from cutedsl.sm90 import gemm, routing, swiglu
-from cutedsl.sm90.tactics import GpuSpec, Tactic, gpu_spec, reachable_tactics
+from cutedsl.sm90.tactics import AnyTactic, GpuSpec, gpu_spec, reachable_tactics
 from cutedsl.sm90.weight import interleave_swiglu, prepare_weight
 from cutedsl.validate import readable_rows, warn_copy
 from cutedsl.workspace import Workspace, for_role
@@ -57,13 +57,15 @@ def fused_swiglu() -> bool:
 
 def gemm_tactics(
     n: int, k: int, groups: int, moe: bool, max_rows: int, spec: GpuSpec
-) -> set[tuple[Tactic, bool]]:
+) -> set[tuple[AnyTactic, bool]]:
     """(tactic, moe) for every tactic a launch of 1..max_rows rows of an N x K weight with
     `groups` groups can take on `spec` (`tactics.reachable_tactics`)."""
     return {(t, moe) for t in reachable_tactics(n, k, groups, moe, max_rows, spec)}
 
 
-def shared_mlp_tactics(h: int, i: int, max_tokens: int, spec: GpuSpec) -> set[tuple[Tactic, bool]]:
+def shared_mlp_tactics(
+    h: int, i: int, max_tokens: int, spec: GpuSpec
+) -> set[tuple[AnyTactic, bool]]:
     """The GEMM variants of a `SharedMlp` (hidden size h, intermediate size i)."""
     return gemm_tactics(2 * i, h, 1, False, max_tokens, spec) | gemm_tactics(
         h, i, 1, False, max_tokens, spec
@@ -72,7 +74,7 @@ def shared_mlp_tactics(h: int, i: int, max_tokens: int, spec: GpuSpec) -> set[tu
 
 def moe_tactics(
     e: int, h: int, i: int, max_tokens: int, spec: GpuSpec
-) -> tuple[set[tuple[Tactic, bool]], set[tuple[Tactic, bool]]]:
+) -> tuple[set[tuple[AnyTactic, bool]], set[tuple[AnyTactic, bool]]]:
     """The (w13, w2) GEMM variants of a `MoE` of e local experts (routed rows up to
     max_tokens * MAX_TOPK)."""
     rows = max_tokens * MAX_TOPK
@@ -81,7 +83,7 @@ def moe_tactics(
 
 def _moe_gemm_plan(
     e: int, h: int, i: int, limit: float | None, max_tokens: int, spec: GpuSpec, fused: bool
-) -> list[tuple[set[tuple[Tactic, bool]], dict]]:
+) -> list[tuple[set[tuple[AnyTactic, bool]], dict]]:
     """The GEMM variants of a `MoE` as (tactics, epilogue keywords of `gemm.jobs` /
     `gemm.precompile`): w13 with the fused SwiGLU and w2 plain, or both plain. What `moe_jobs`
     lists and `MoE.warmup` compiles, from this one place."""

@@ -4,7 +4,8 @@ A `Tactic` is the compile-time tiling of `cutedsl.sm90.kernels.gemm` (with the M
 compile key): tile_n weight rows x tile_m tokens per CTA, split over split_k CTAs along K.
 `choose_tactic` takes, in order: the tuned table of the GPU (`cutedsl/tuned/sm90/<device name>.json`,
 measured by `python -m cutedsl.bench.gemm_sm90 --sweep grid` and built by
-`python -m cutedsl.bench.tune_sm90`), then a rule written in terms of the GPU's SM count.
+`python -m cutedsl.bench.tune_sm90`; an entry may name a `StreamTactic`, the streaming decode
+kernel, where that was the fastest), then a rule written in terms of the GPU's SM count.
 `launch_tactic` is what a launch with no forced tactic uses, and so what `warmup` compiles.
 """
 
@@ -44,8 +45,8 @@ class StreamTactic:
     """A configuration of the streaming decode kernel (`cutedsl.sm90.kernels.stream`): `rows`
     (16 | 32) weight rows per warp and CTA, up to `tokens` (8 | 16 | 32) tokens, K split over
     `warps` warps, a `depth`-stage copy ring per warp. Dense / grouped launches of at most
-    `tokens` rows, MoE launches in tiles of `tokens` rows per expert; only taken when forced
-    (`gemm.linear / grouped / moe(..., tactic=...)`)."""
+    `tokens` rows, MoE launches in tiles of `tokens` rows per expert. Taken where a tuned table
+    names it (dense / grouped) or when forced (`gemm.linear / grouped / moe(..., tactic=...)`)."""
 
     rows: int
     tokens: int
@@ -81,7 +82,21 @@ def gpu_spec(device: torch.device) -> GpuSpec:
     return _cuda_spec(device.index if device.index is not None else torch.cuda.current_device())
 
 
-TableRows = list[tuple[int, Tactic]]
+AnyTactic = Tactic | StreamTactic
+TableRows = list[tuple[int, AnyTactic]]
+
+
+def table_tactic(entry: dict, m: int) -> AnyTactic:
+    """The tactic of one tuned-table entry for M = m: {"tactic": [tile_n, tile_m, split_k]}, or
+    {"kernel": "stream", "tactic": [rows, tokens, warps, depth]} holding at least m tokens."""
+    if entry.get("kernel", "tiled") == "stream":
+        t = StreamTactic(*entry["tactic"])
+        if t.tokens < m:
+            raise ValueError(f"tuned table: {t} at M = {m} takes at most {t.tokens} tokens")
+        return t
+    if entry.get("kernel", "tiled") != "tiled":
+        raise ValueError(f"tuned table: kernel {entry['kernel']!r}, expected 'tiled' or 'stream'")
+    return Tactic(*entry["tactic"])
 
 
 @functools.cache
@@ -98,7 +113,8 @@ def tuned_table(spec: GpuSpec) -> dict[tuple[int, int, int], TableRows]:
     out = {}
     for key, per_m in table["dense"].items():
         n, k, g = (int(x) for x in key.split(","))
-        out[(n, k, g)] = sorted((int(m), Tactic(*e["tactic"])) for m, e in per_m.items())
+        rows = [(int(m), table_tactic(e, int(m))) for m, e in per_m.items()]
+        out[(n, k, g)] = sorted(rows, key=lambda r: r[0])
     return out
 
 
@@ -118,12 +134,13 @@ def _split_k(ctas: int, kt: int, tile_m: int, cap: int) -> int:
 
 
 def choose_tactic(
-    m: int, n: int, k: int, groups: int, moe: bool = False, *, spec: GpuSpec
-) -> Tactic:
+    m: int, n: int, k: int, groups: int, moe: bool = False, *, spec: GpuSpec, stream: bool = True
+) -> AnyTactic:
     """The Tactic for m rows of an N x K weight with `groups` groups on the GPU `spec`.
 
     Dense / grouped shapes in the GPU's tuned table take the fastest tactic of the smallest
-    measured M >= m. Otherwise a rule, fitted to the H200 grid sweep (2026-12-03: within 2 % of
+    measured M >= m (a `StreamTactic` where the streaming kernel was the fastest; with
+    `stream=False` such entries are passed over: the tiled kernel's choice). Otherwise a rule, fitted to the H200 grid sweep (2026-12-03: within 2 % of
     the fastest tactic on its geomean there, 1.49x at worst: wo_a at M = 128):
     - m <= 32 (decode): token tile 16 / 32; a grid of >= num_sms 128-row weight tiles takes
       128 x tile_m unsplit, else 64-row tiles split K while the grid is under two waves;
@@ -143,7 +160,7 @@ def choose_tactic(
         tile_m = next((t for t in (16, 32, 64, 128) if m <= t), 192)
         return Tactic(64 if tile_m == 32 or n % 128 else 128, tile_m)
     for m_max, tactic in tuned_table(spec).get((n, k, groups), ()):
-        if m <= m_max:
+        if m <= m_max and (stream or isinstance(tactic, Tactic)):
             return tactic
     num_sms = spec.num_sms
     wide = n % 128 == 0 and (n // 128) * groups >= num_sms  # 128-row tiles fill the GPU
@@ -161,7 +178,7 @@ def choose_tactic(
     return Tactic(tile_n, tile_m, _split_k(ctas, kt, tile_m, num_sms))
 
 
-def launch_tactic(m: int, n: int, k: int, groups: int, moe: bool, spec: GpuSpec) -> Tactic:
+def launch_tactic(m: int, n: int, k: int, groups: int, moe: bool, spec: GpuSpec) -> AnyTactic:
     """The tactic a launch of m rows uses when none is forced (what `warmup` must compile).
     MoE: rows per expert are unknown on the host; size tiles for 2x the uniform share. When even
     min(E, m) experts in 128-row tiles give under two CTAs per SM (m = 6: one decode token), take
@@ -169,7 +186,12 @@ def launch_tactic(m: int, n: int, k: int, groups: int, moe: bool, spec: GpuSpec)
     CTAs, 0.95x / 0.97x, so not there)."""
     m_eff = max(1, 2 * -(-m // groups)) if moe else m
     t = choose_tactic(m_eff, n, k, groups, moe, spec=spec)
-    if moe and t.tile_n == 128 and min(groups, m) * (n // 128) < 2 * spec.num_sms:
+    if (
+        moe
+        and isinstance(t, Tactic)
+        and t.tile_n == 128
+        and min(groups, m) * (n // 128) < 2 * spec.num_sms
+    ):
         return Tactic(64, t.tile_m, t.split_k)
     return t
 
@@ -192,7 +214,7 @@ def _interval_starts(
 
 def reachable_tactics(
     n: int, k: int, groups: int, moe: bool, max_rows: int, spec: GpuSpec
-) -> frozenset[Tactic]:
+) -> frozenset[AnyTactic]:
     """Every tactic `launch_tactic` returns for some 1 <= m <= max_rows on `spec`: what a
     warm-up must compile so that no launch of up to max_rows rows compiles (tests/test_tactics.py
     checks it against every m)."""
