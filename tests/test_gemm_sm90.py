@@ -237,7 +237,8 @@ def test_moe_grid_limit_is_refused() -> None:
 @pytest.mark.parametrize("spec", [H200, H100], ids=lambda s: s.name)
 def test_choose_tactic_takes_the_measured_table(spec: GpuSpec) -> None:
     """Table shapes take the fastest measured tactic of the smallest measured M >= m (the rule
-    beyond the largest), and every entry is a tactic the kernel takes for its shape."""
+    beyond the largest), and every entry is a tactic its kernel takes for its shape (a streaming
+    entry: a configuration the streaming kernel takes, with the tokens of its M)."""
     table = TT.tuned_table(spec)
     assert (1536, 4096, 1) in table and (1024, 4096, 8) in table  # fused_wqa_wkv, wo_a (G = 8)
     for (n, k, g), entries in table.items():
@@ -245,11 +246,17 @@ def test_choose_tactic_takes_the_measured_table(spec: GpuSpec) -> None:
         for m_max, tactic in entries:
             for m in {prev + 1, (prev + 1 + m_max) // 2, m_max}:
                 assert TT.choose_tactic(m, n, k, g, spec=spec) == tactic, (n, k, g, m)
+            prev = m_max
+            if isinstance(tactic, TT.StreamTactic):
+                from cutedsl.sm90.kernels.stream import Sm90Nvfp4StreamGemmKernel as S
+
+                assert S.config_error(*astuple(tactic)) is None and tactic.tokens >= m_max
+                assert S.can_implement(n, k, tactic.rows)
+                continue
             tn, tm, sk = astuple(tactic)
             gemm_sm90.Sm90Nvfp4W4A16GemmKernel(tile_n=tn, tile_m=tm, split_k=sk)
             assert gemm_sm90.Sm90Nvfp4W4A16GemmKernel.can_implement(n, k, tn, sk)
             assert tm in TT.TILE_M_VERIFIED
-            prev = m_max
         # beyond the largest measured M: the rule, as on a GPU without a table
         m = prev + 1
         assert TT.choose_tactic(m, n, k, g, spec=spec) == TT.choose_tactic(
