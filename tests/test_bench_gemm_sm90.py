@@ -418,7 +418,9 @@ def test_rows_record_tactics_as_lists_and_sweep_keys_as_str():
     assert str(t) == "128x16x2"  # the sweep_us key tune_sm90 parses back
     s = StreamTactic(32, 8, 16, 2)
     assert B.tactic_list(s) == str(s) == "s32x8w16d2"  # by name, a stream_sweep_us key
-    assert T.table_entry(str(s)) == {"kernel": "stream", "tactic": [32, 8, 16, 2]}
+    assert tactics.parse_tactic(str(s)) == s and tactics.parse_tactic(str(t)) == t
+    assert tactics.tactic_entry(s) == {"kernel": "stream", "tactic": [32, 8, 16, 2]}
+    assert tactics.table_tactic(tactics.tactic_entry(t), 16) == t
     assert T.row_candidates({"tactic": "s32x8w16d2", "us": 3.0, "sweep_us": {"64x16x1": 4.0}}) == {
         "64x16x1": 4.0,
         "s32x8w16d2": 3.0,
@@ -656,7 +658,7 @@ def test_committed_tuned_table_is_well_formed(spec):
         for m, e in per_m.items():
             assert int(m) > 0 and e["us"] <= e["next_us"]
             t = tactics.table_tactic(e, int(m))  # a streaming entry holds its M's tokens
-            assert T.table_entry(str(t)) == {k: e[k] for k in ("kernel", "tactic") if k in e}
+            assert tactics.tactic_entry(t) == {k: e[k] for k in ("kernel", "tactic") if k in e}
     loaded = tactics.tuned_table(spec)
     assert sum(map(len, loaded.values())) == sum(map(len, table["dense"].values()))
 

@@ -75,14 +75,6 @@ def test_compressor_builder_fills_its_persistent_buffer() -> None:
     assert md.block_size == 64 and (md.block_table >= 0).all()
 
 
-def _pristine(rel: str) -> str:
-    import vllm
-
-    root = Path(vllm.__file__).parent
-    backup = root / ".cutedsl_pristine" / rel
-    return (backup if backup.exists() else root / rel).read_text()
-
-
 @pytest.mark.parametrize(
     ("overlay", "rel"),
     [
@@ -94,8 +86,10 @@ def test_overlay_changes_only_the_index(overlay: str, rel: str) -> None:
     """Each builder overlay differs from vLLM 0.21.0 only in the import, the arange buffer and the
     call that replaces the host-side repeat_interleave / pin_memory / copy."""
     pytest.importorskip("vllm")
+    from test_vllm_patches import _pristine
+
     mine = (REPO / "vllm_patches" / overlay).read_text().splitlines()
-    diff = difflib.unified_diff(_pristine(rel).splitlines(), mine, lineterm="", n=0)
+    diff = difflib.unified_diff(_pristine(rel).read_text().splitlines(), mine, lineterm="", n=0)
     changed = [ln for ln in diff if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
     removed = [ln[1:].strip() for ln in changed if ln.startswith("-")]
     added = [ln[1:].strip() for ln in changed if ln.startswith("+")]

@@ -1,6 +1,6 @@
 """apply_patches.sh on the real pinned vLLM 0.21.0 files.
 
-Most tests work on a copy of the installed vLLM's files (the two overlaid files and _version.py)
+Most tests work on a copy of the installed vLLM's files (the overlaid files and _version.py)
 in a temporary `vllm/` tree, so they can tamper with it; `test_real_install_is_applied` checks the
 venv's own install, which `make setup` patched.
 """

@@ -526,6 +526,39 @@ def tactic_list(t: Tactic | StreamTactic) -> list[int] | str:
     return [t.tile_n, t.tile_m, t.split_k]
 
 
+def gemm_calls(shape: Shape, m: int, wps: list) -> tuple[Callable, list | None]:
+    """(make, routings) for m tokens of `shape` on fresh operands: make(tactic) gives the calls of
+    one timed graph through `cutedsl.sm90.gemm` (one per weight copy in `wps`; MoE: one per
+    routing, on wps[0]); routings are the MoE's expert row counts (None otherwise)."""
+    from cutedsl.sm90 import gemm
+
+    g, n, k = shape.groups, shape.n, shape.k
+    if shape.kind == "moe":
+        cs = _routings(shape, m)
+        offs = [expert_offsets(c).to("cuda") for c in cs]
+        rows = shape.rows(m)
+        a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+
+        def make(t, w0=wps[0]):
+            return [lambda o=o: gemm.moe(a, o, w0, out=out, tactic=t) for o in offs]
+
+        return make, cs
+    if shape.kind == "grouped":
+        a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
+        call = gemm.grouped
+    else:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        call = gemm.linear
+
+    def make(t):
+        return [lambda wp=wp: call(a, wp, out=out, tactic=t) for wp in wps]
+
+    return make, None
+
+
 def bench_ours(
     shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget: Budget, sweep: str = ""
 ) -> None:
@@ -553,37 +586,10 @@ def bench_ours(
         r = rows_by_m[m]
         try:
             rows = shape.rows(m)
-            if shape.kind == "moe":
-                cs = _routings(shape, m)
+            make, cs = gemm_calls(shape, m, wps)
+            if cs is not None:
                 r["active_experts"] = active_experts(cs)
-                offs = [expert_offsets(c).to("cuda") for c in cs]
-                a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-                w0 = wps[0]
-
-                def make(t):
-                    return [lambda o=o: gemm.moe(a, o, w0, out=out, tactic=t)
-                            for o in offs]  # fmt: skip
-
-                tac = launch_tactic(rows, n, k, g, True, spec)
-            elif shape.kind == "grouped":
-                a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
-
-                def make(t, wps=wps):
-                    return [lambda wp=wp: gemm.grouped(a, wp, out=out, tactic=t)
-                            for wp in wps]  # fmt: skip
-
-                tac = launch_tactic(m, n, k, g, False, spec)
-            else:
-                a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-
-                def make(t, wps=wps):
-                    return [lambda wp=wp: gemm.linear(a, wp, out=out, tactic=t)
-                            for wp in wps]  # fmt: skip
-
-                tac = launch_tactic(m, n, k, 1, False, spec)
+            tac = launch_tactic(rows, n, k, g, moe, spec)
             r["tactic"] = tactic_list(tac)
             flops = 2.0 * rows * n * k * (g if shape.kind == "grouped" else 1)
             cands = swept.get(m, [tac])
@@ -661,7 +667,6 @@ def stream_candidates(m: int, moe: bool = False) -> list:
     token width that holds M (MoE: 8, an expert's rows at decode), each row block, 4 / 8 / 16
     warps, 2 / 4 / 6 / 8 stages, where they fit shared memory."""
     from cutedsl.sm90.kernels.stream import ROWS, TOKENS, Sm90Nvfp4StreamGemmKernel
-    from cutedsl.sm90.tactics import StreamTactic
 
     tokens = 8 if moe else min(t for t in TOKENS if t >= m)
     cfgs = [(r, tokens, w, d) for r in ROWS for w in (4, 8, 16) for d in (2, 4, 6, 8)]
@@ -696,27 +701,7 @@ def bench_stream(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget
         r = rows_by_m[m]
         try:
             rows = shape.rows(m)
-            if moe:
-                offs = [expert_offsets(c).to("cuda") for c in _routings(shape, m)]
-                a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-
-                def make(t, w0=wps[0]):
-                    return [lambda o=o: gemm.moe(a, o, w0, out=out, tactic=t) for o in offs]
-
-            else:
-                if shape.kind == "grouped":
-                    a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
-                    out = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
-                    call = gemm.grouped
-                else:
-                    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                    call = gemm.linear
-
-                def make(t, call=call, wps=wps):
-                    return [lambda wp=wp: call(a, wp, out=out, tactic=t) for wp in wps]
-
+            make, _ = gemm_calls(shape, m, wps)
             flops = 2.0 * rows * n * k * (g if shape.kind == "grouped" else 1)
             times = {}
             for t in cands[m]:

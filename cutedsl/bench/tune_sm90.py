@@ -6,10 +6,11 @@ For every (N, K, groups) and measured M, the fastest tactic timed in one run: th
 tactics (`sweep_us`), the streaming decode kernel's configurations (`stream_sweep_us`, from
 `--impls stream`; such an entry reads {"kernel": "stream", "tactic": [rows, tokens, warps,
 depth]}) and the tactic the run's default launch took (`tactic`, `us`); later files win for the
-same (shape, M), and `--base` starts from an existing table. MoE shapes are skipped (routed rows per expert are unknown on the host; their tactic
-stays a rule). Every sweep must come from one device: the table's meta records its name and SM
-count (the sweeps' "device" and "sms"; --num-sms where a sweep does not record it), and the loader
-ignores the table on a GPU of that name with another SM count. The meta also keeps the provenance
+same (shape, M), and `--base` starts from an existing table. MoE shapes are skipped (routed rows
+per expert are unknown on the host; their tactic stays a rule). Every sweep must come from one
+device: the table's meta records its name and SM count (the sweeps' "device" and "sms";
+--num-sms where a sweep does not record it), and the loader ignores the table on a GPU of that
+name with another SM count. The meta also keeps the provenance
 (commands, dates, devices of the sweeps) and each entry the time of the chosen tactic and of the
 runner-up, so a reader can see how close a call was. One line per (shape, M) entry: readable diffs.
 """
@@ -22,7 +23,7 @@ import sys
 from pathlib import Path
 
 from cutedsl.bench.common import make_parser
-from cutedsl.sm90.tactics import GpuSpec
+from cutedsl.sm90.tactics import GpuSpec, Tactic, parse_tactic, tactic_entry
 
 EXAMPLES = [
     "python -m cutedsl.bench.tune_sm90 sweep.json   # -> cutedsl/tuned/sm90/NVIDIA_H200.json "
@@ -41,19 +42,8 @@ def row_candidates(r: dict) -> dict[str, float]:
     times.update(r.get("stream_sweep_us") or {})
     t = r.get("tactic")
     if t and r.get("us") is not None:  # a streaming tactic is recorded by its name
-        times.setdefault(t if isinstance(t, str) else "x".join(str(x) for x in t), r["us"])
+        times.setdefault(t if isinstance(t, str) else str(Tactic(*t)), r["us"])
     return times
-
-
-def table_entry(name: str) -> dict:
-    """{"tactic": [...]} of a tiled tactic name, {"kernel": "stream", "tactic": [...]} of a
-    streaming one (StreamTactic's str: s<rows>x<tokens>w<warps>d<depth>)."""
-    if name.startswith("s"):
-        rows, rest = name[1:].split("x")
-        tokens, rest = rest.split("w")
-        warps, depth = rest.split("d")
-        return {"kernel": "stream", "tactic": [int(rows), int(tokens), int(warps), int(depth)]}
-    return {"tactic": [int(x) for x in name.split("x")]}
 
 
 def sweep_device(sweeps: list[dict], num_sms: int | None = None) -> GpuSpec:
@@ -104,7 +94,7 @@ def table_from_sweeps(sweeps: list[dict], spec: GpuSpec, base: dict | None = Non
             (best, us), (nxt, nus) = ranked[0], ranked[1]
             key = f"{r['N']},{r['K']},{r['G'] or 1}"
             dense.setdefault(key, {})[str(r["M"])] = {
-                **table_entry(best),
+                **tactic_entry(parse_tactic(best)),
                 "us": us,
                 "next": nxt,
                 "next_us": nus,

@@ -11,6 +11,7 @@ kernel, where that was the fastest), then a rule written in terms of the GPU's S
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -86,6 +87,26 @@ AnyTactic = Tactic | StreamTactic
 TableRows = list[tuple[int, AnyTactic]]
 
 
+def parse_tactic(name: str) -> AnyTactic:
+    """The tactic of its `str`: "64x16x4" (Tactic), "s32x8w16d2" (StreamTactic)."""
+    if name.startswith("s"):
+        rows, rest = name[1:].split("x")
+        tokens, rest = rest.split("w")
+        warps, depth = rest.split("d")
+        return StreamTactic(int(rows), int(tokens), int(warps), int(depth))
+    return Tactic(*(int(x) for x in name.split("x")))
+
+
+def tactic_entry(t: AnyTactic) -> dict:
+    """The tuned-table fields of a tactic (what `table_tactic` reads back)."""
+    fields = list(dataclasses.astuple(t))
+    return (
+        {"kernel": "stream", "tactic": fields}
+        if isinstance(t, StreamTactic)
+        else {"tactic": fields}
+    )
+
+
 def table_tactic(entry: dict, m: int) -> AnyTactic:
     """The tactic of one tuned-table entry for M = m: {"tactic": [tile_n, tile_m, split_k]}, or
     {"kernel": "stream", "tactic": [rows, tokens, warps, depth]} holding at least m tokens."""
@@ -140,8 +161,8 @@ def choose_tactic(
 
     Dense / grouped shapes in the GPU's tuned table take the fastest tactic of the smallest
     measured M >= m (a `StreamTactic` where the streaming kernel was the fastest; with
-    `stream=False` such entries are passed over: the tiled kernel's choice). Otherwise a rule, fitted to the H200 grid sweep (2026-12-03: within 2 % of
-    the fastest tactic on its geomean there, 1.49x at worst: wo_a at M = 128):
+    `stream=False` such entries are passed over: the tiled kernel's choice). Otherwise a rule,
+    fitted to the H200 grid sweep (2026-12-03: within 2 % of the fastest tactic on its geomean there, 1.49x at worst: wo_a at M = 128):
     - m <= 32 (decode): token tile 16 / 32; a grid of >= num_sms 128-row weight tiles takes
       128 x tile_m unsplit, else 64-row tiles split K while the grid is under two waves;
     - larger m, a grid of >= num_sms 128-row weight tiles: 128 x (64 | 128 | 256) covering m (up to
