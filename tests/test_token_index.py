@@ -30,17 +30,20 @@ def _buffers(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.full((n,), POISON, dtype=torch.int32), torch.arange(n, dtype=torch.int32)
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+)  # the CPU runs the same torch op; the server runs it on the GPU
 @pytest.mark.parametrize("max_len", [1, 3, 300])  # decode-only, MTP-like, prefill chunks
-def test_matches_repeat_interleave(max_len: int) -> None:
+def test_matches_repeat_interleave(max_len: int, device: str) -> None:
     gen = torch.Generator().manual_seed(1000 + max_len)
     for _ in range(50):
         num_reqs = int(torch.randint(1, 130, (1,), generator=gen))
         lens, qsl = _batch(gen, num_reqs, max_len)
-        out, ar = _buffers(int(qsl[-1]) + 40)
+        out, ar = (b.to(device) for b in _buffers(int(qsl[-1]) + 40))
         # a padded device copy, as CUDA-graph batches have: entries past num_reqs repeat the end
-        qsl_dev = torch.cat([qsl, qsl[-1:].repeat(5)])
+        qsl_dev = torch.cat([qsl, qsl[-1:].repeat(5)]).to(device)
         got = fill_token_to_req_indices(out, ar, qsl_dev, qsl, num_reqs)
-        want = torch.repeat_interleave(torch.arange(num_reqs), lens).to(torch.int32)
+        want = torch.repeat_interleave(torch.arange(num_reqs), lens).to(torch.int32).to(device)
         assert torch.equal(got, want)
         assert want.numel() == 0 or got.data_ptr() == out.data_ptr()  # in place: CUDA graphs
         assert (out[want.numel() :] == POISON).all()  # nothing past the step's tokens written
