@@ -2,9 +2,9 @@
 #   docker build -t dsv4-nvfp4-cutedsl:vllm0.21.0 .     (or: make build)
 #   docker run --gpus all --ipc=host -p 8000:8000 -v /path/to/ckpt:/model:ro -e MODEL=/model IMAGE
 # Without MODEL the image generates and serves the tiny full-NVFP4 checkpoint. Each start first
-# compiles vLLM's mHC TileLang kernels (~90 s) unless /root/.tilelang is a kept volume, and our
-# CuTeDSL kernels unless /root/.cache/cutedsl is; vLLM's torch.compile and DeepGEMM caches live in
-# /root/.cache/vllm (make run keeps all three as volumes).
+# compiles vLLM's mHC kernels (~90 s) unless /root/.tilelang and /root/.cache/vllm (its DeepGEMM
+# GEMM) are kept volumes, and our CuTeDSL kernels unless /root/.cache/cutedsl is; vLLM's
+# torch.compile cache lives in /root/.cache/vllm too (make run keeps all three as volumes).
 # The base tag must equal the vllm pin in requirements.txt (tests/test_foundation.py checks it):
 # the overlay replaces two files of exactly that release.
 FROM vllm/vllm-openai:v0.21.0

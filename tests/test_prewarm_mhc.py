@@ -176,6 +176,85 @@ def test_no_stamp_when_a_worker_could_not_report(tmp_path: Path) -> None:
     assert not pw.stamp_path(tmp_path, fp).exists()
 
 
+def _deepgemm_entry(cache: Path, name: str) -> dict[str, list[str]]:
+    (cache / "cache" / name).mkdir(parents=True)
+    for f in ("kernel.cu", "kernel.cubin"):
+        (cache / "cache" / name / f).write_bytes(b"x")
+    return {name: ["kernel.cu", "kernel.cubin"]}
+
+
+def test_stamp_covers_deepgemms_mhc_kernels(tmp_path: Path) -> None:
+    """The mHC GEMM's DeepGEMM entries are in the stamp: one that lost its cubin, or a DeepGEMM
+    at another path or with another cache folder, means the full prewarm."""
+    cache, root, dg = tmp_path / "tl", tmp_path / "tl" / "k", tmp_path / "dg"
+    loc = {"package": "/site/vllm/third_party/deep_gemm", "cache": str(dg)}
+    fp = pw.fingerprint({"hidden_size": 64}, ("NVIDIA H100", 132), loc)
+    tl = (str(root), _tilelang_entry(root, "k1"))
+    a, b = (_deepgemm_entry(dg, f"kernel.sm90_tf32_hc_prenorm_gemm.{h}") for h in ("aa", "bb"))
+    assert pw.write_stamp(cache, fp, [tl, tl], [(str(dg), a), (str(dg), b)])
+    ok, what = pw.cached_everything(cache, fp)
+    assert ok and what == f"1 kernels in {root} and 2 DeepGEMM kernels in {dg / 'cache'}"
+    for other in ({**loc, "package": "/other/deep_gemm"}, {**loc, "cache": str(tmp_path)}):
+        fp2 = pw.fingerprint({"hidden_size": 64}, ("NVIDIA H100", 132), other)
+        assert pw.cached_everything(cache, fp2) == (False, "no stamp of a previous prewarm")
+    (dg / "cache" / "kernel.sm90_tf32_hc_prenorm_gemm.bb" / "kernel.cubin").unlink()
+    ok, why = pw.cached_everything(cache, fp)
+    assert not ok and why == f"1 of 2 DeepGEMM kernels no longer in {dg / 'cache'}"
+    # workers that kept DeepGEMM's kernels elsewhere, or disagree: no stamp
+    stale = pw.stamp_path(cache, fp)
+    stale.unlink()
+    assert pw.write_stamp(cache, fp, [tl], [(str(tmp_path), a)]) is None
+    assert pw.write_stamp(cache, fp, [tl, tl], [(str(dg), a), (str(tmp_path), b)]) is None
+    assert not stale.exists()
+    # workers that never used DeepGEMM: the TileLang entries alone
+    assert pw.write_stamp(cache, fp, [tl], [("", {})])
+    assert pw.cached_everything(cache, fp) == (True, f"1 kernels in {root}")
+
+
+def test_deepgemm_entries_are_the_complete_mhc_gemm_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DG_JIT_CACHE_DIR", raising=False)
+    assert pw._deepgemm_entries() == ("", {})
+    want = _deepgemm_entry(tmp_path, "kernel.sm90_tf32_hc_prenorm_gemm.aa")
+    _deepgemm_entry(tmp_path, "kernel.sm90_fp8_gemm_1d2d.cc")  # not the mHC GEMM
+    half = tmp_path / "cache" / "kernel.sm90_tf32_hc_prenorm_gemm.bb"
+    half.mkdir()
+    (half / "kernel.cu").write_bytes(b"x")  # still compiling: no cubin
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path))
+    assert pw._deepgemm_entries() == (str(tmp_path), want)
+
+
+def test_deepgemm_location_follows_vllms_rules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's order: an installed deep_gemm, else its vendored copy; DG_JIT_CACHE_DIR, else
+    VLLM_CACHE_ROOT/deep_gemm, else XDG_CACHE_HOME (or ~/.cache)/vllm/deep_gemm."""
+    import importlib.util
+
+    import vllm
+
+    for k in ("DG_JIT_CACHE_DIR", "VLLM_CACHE_ROOT", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    got = pw.deepgemm_location()
+    vendored = Path(vllm.__file__).parent / "third_party" / "deep_gemm"
+    if importlib.util.find_spec("deep_gemm") is None:
+        assert got["package"] == (str(vendored) if vendored.is_dir() else None)
+    assert got["cache"] == str(tmp_path / "home" / ".cache" / "vllm" / "deep_gemm")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert pw.deepgemm_location()["cache"] == str(tmp_path / "xdg" / "vllm" / "deep_gemm")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "v"))
+    assert pw.deepgemm_location()["cache"] == str(tmp_path / "v" / "deep_gemm")
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "dg"))
+    assert pw.deepgemm_location()["cache"] == str(tmp_path / "dg")
+    # an installed deep_gemm comes first
+    (tmp_path / "site" / "deep_gemm").mkdir(parents=True)
+    (tmp_path / "site" / "deep_gemm" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert pw.deepgemm_location()["package"] == str(tmp_path / "site" / "deep_gemm")
+
+
 def test_fast_path_spawns_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """Everything in the TileLang cache: no worker process, no vLLM call, exit 0."""
     import types
@@ -195,7 +274,7 @@ def test_fast_path_spawns_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(pw.mp, "get_context", forbidden)
     monkeypatch.setattr(pw, "_vllm_num_split", forbidden)
-    fp = pw.fingerprint(pw.mhc_config(model), ("NVIDIA H200", 132))
+    fp = pw.fingerprint(pw.mhc_config(model), ("NVIDIA H200", 132), pw.deepgemm_location())
     root = cache / "ns" / "kernels"
     pw.write_stamp(cache, fp, [(str(root), _tilelang_entry(root, "k1"))])
     out_json = tmp_path / "out.json"

@@ -19,20 +19,28 @@ iterations) from the checkpoint's config.json, as the model passes them. It call
 vLLM ops (torch.ops.vllm.mhc_pre, mhc_fused_post_pre, mhc_post, hc_head_fused_kernel) on random
 inputs: nothing of vLLM is patched. Needs a CUDA GPU. Exit status 0 when every call ran.
 
+The same calls run vLLM's mHC GEMM, DeepGEMM's `tf32_hc_prenorm_gemm`, whose split count is a
+compile-time argument too: DeepGEMM keeps those kernels in its own JIT cache (DG_JIT_CACHE_DIR,
+which vLLM sets to VLLM_CACHE_ROOT/deep_gemm), one folder per kernel, named by a hash that
+includes its compile flags and with them the path of the DeepGEMM package's headers: a vLLM
+installed at another path compiles them again.
+
 Fast path: after a run in which every call succeeded, a stamp
 (`<TILELANG_CACHE_DIR>/cutedsl-prewarm-mhc/<fingerprint>.json`) lists the TileLang cache entries
 the workers compiled or loaded (the in-memory cache keys of TileLang's per-backend caches) and
-the files each complete entry has on disk. The fingerprint is everything
-that decides which kernels are needed (the mHC arguments, the GPU's name and SM count, the vLLM,
-TileLang and torch versions). When the stamp of this fingerprint exists and every entry it lists
-still has all its files, the prewarm stops there: no worker process, no vLLM
-import, no kernel load. Anything else (no stamp, a missing or incomplete entry, an unreadable
-stamp) runs the full prewarm, which writes a new stamp.
+the files each complete entry has on disk, and the mHC GEMM entries complete in DeepGEMM's cache
+after the run, with their files. The fingerprint is everything that decides which kernels are
+needed and where they are found (the mHC arguments, the GPU's name and SM count, the vLLM,
+TileLang and torch versions, the DeepGEMM package's path and its cache folder). When the stamp of
+this fingerprint exists and every entry it lists still has all its files, the prewarm stops
+there: no worker process, no vLLM import, no kernel load. Anything else (no stamp, a missing or
+incomplete entry, an unreadable stamp) runs the full prewarm, which writes a new stamp.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import multiprocessing as mp
@@ -169,10 +177,51 @@ def _tilelang_cache_keys() -> tuple[str, dict[str, list[str]]] | None:
         return None
 
 
+DEEPGEMM_MHC = (
+    "kernel.*hc_prenorm*"  # DeepGEMM's cache folders of the mHC GEMM (cache/kernel.NAME.HASH)
+)
+
+
+def deepgemm_location() -> dict[str, str | None]:
+    """Where a process of this environment would take DeepGEMM from and keep its compiled kernels,
+    found without importing anything: `package`, vLLM's choice (an installed `deep_gemm` first,
+    else the copy vendored in vLLM; None when neither exists) and `cache`, its JIT cache folder
+    (DG_JIT_CACHE_DIR, else VLLM_CACHE_ROOT/deep_gemm, as vLLM sets it)."""
+    package = None
+    spec = importlib.util.find_spec("deep_gemm")  # a top-level name: found, not imported
+    if spec is not None and spec.origin:
+        package = os.path.dirname(spec.origin)
+    else:
+        spec = importlib.util.find_spec("vllm")
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            vendored = Path(loc) / "third_party" / "deep_gemm"
+            if (vendored / "__init__.py").is_file():
+                package = str(vendored)
+                break
+    xdg = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    vllm_root = os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT", os.path.join(xdg, "vllm")))
+    cache = os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(vllm_root, "deep_gemm")
+    return {"package": package, "cache": cache}
+
+
+def _deepgemm_entries() -> tuple[str, dict[str, list[str]]]:
+    """(DeepGEMM's JIT cache folder, {entry: its files}) for the mHC GEMM entries complete there
+    (their cubin written) after this process's calls; ("", {}) when this process never set up
+    DeepGEMM (vLLM sets DG_JIT_CACHE_DIR on its first DeepGEMM call)."""
+    root = os.environ.get("DG_JIT_CACHE_DIR", "")
+    if not root:
+        return "", {}
+    found = sorted((Path(root) / "cache").glob(DEEPGEMM_MHC))
+    entries = {
+        e.name: sorted(f.name for f in e.iterdir() if f.is_file()) for e in found if e.is_dir()
+    }
+    return root, {k: v for k, v in entries.items() if "kernel.cubin" in v}
+
+
 def _worker(cfg: dict, counts: list[int], done: mp.Queue, errors: mp.Queue, used: mp.Queue) -> None:
     try:
         _run_counts(cfg, counts, done)
-        used.put(_tilelang_cache_keys())
+        used.put((_tilelang_cache_keys(), _deepgemm_entries()))
     except BaseException as e:  # reported by the parent (the counts not yet done name the failure)
         errors.put(f"{type(e).__name__}: {e} (this worker's token counts: {counts})"[:2000])
         raise SystemExit(1) from None
@@ -181,10 +230,11 @@ def _worker(cfg: dict, counts: list[int], done: mp.Queue, errors: mp.Queue, used
 STAMP_DIR = "cutedsl-prewarm-mhc"
 
 
-def fingerprint(cfg: dict, gpu: tuple[str, int]) -> dict:
-    """What decides the mHC kernels a server needs: the checkpoint's mHC arguments, the GPU
-    (name, SM count: vLLM's split count reads the SM count) and the versions of vLLM, TileLang and
-    torch (read from the installed metadata: nothing is imported)."""
+def fingerprint(cfg: dict, gpu: tuple[str, int], deep_gemm: dict | None = None) -> dict:
+    """What decides the mHC kernels a server needs and where it finds them: the checkpoint's mHC
+    arguments, the GPU (name, SM count: vLLM's split count reads the SM count), the versions of
+    vLLM, TileLang and torch (read from the installed metadata: nothing is imported) and
+    `deep_gemm`, DeepGEMM's package and cache folders (`deepgemm_location()`)."""
     from importlib.metadata import PackageNotFoundError, version
 
     def ver(dist: str) -> str:
@@ -193,7 +243,7 @@ def fingerprint(cfg: dict, gpu: tuple[str, int]) -> dict:
         except PackageNotFoundError:
             return "none"
 
-    return {"config": cfg, "gpu": list(gpu),
+    return {"config": cfg, "gpu": list(gpu), "deep_gemm": deep_gemm,
             "versions": {d: ver(d) for d in ("vllm", "tilelang", "torch")}}  # fmt: skip
 
 
@@ -202,32 +252,48 @@ def stamp_path(cache: str | Path, fp: dict) -> Path:
     return Path(cache) / STAMP_DIR / f"{digest}.json"
 
 
+def _missing(root: Path, kernels: dict) -> list[str]:
+    return [k for k, files in kernels.items() if not files
+            or not all((root / k / f).is_file() for f in files)]  # fmt: skip
+
+
 def cached_everything(cache: str | Path, fp: dict) -> tuple[bool, str]:
-    """(True, what) when the stamp of `fp` lists only complete TileLang entries; else (False,
-    why not)."""
+    """(True, what) when the stamp of `fp` lists only complete TileLang and DeepGEMM entries;
+    else (False, why not)."""
     path = stamp_path(cache, fp)
     try:
         stamp = json.loads(path.read_text())
         root, kernels = Path(stamp["cache_root"]), stamp["kernels"]
+        dg = stamp.get("deep_gemm") or {"cache": "", "kernels": {}}
+        dg_root, dg_kernels = Path(dg["cache"]) / "cache", dg["kernels"]
         if stamp["fingerprint"] != fp:
             return False, f"{path} is of another configuration"
-        if not isinstance(kernels, dict) or not kernels:
+        if not isinstance(kernels, dict) or not kernels or not isinstance(dg_kernels, dict):
             return False, f"{path} lists no kernels"
-        missing = [k for k, files in kernels.items() if not files
-                   or not all((root / k / f).is_file() for f in files)]  # fmt: skip
+        missing, dg_missing = _missing(root, kernels), _missing(dg_root, dg_kernels)
     except FileNotFoundError:
         return False, "no stamp of a previous prewarm"
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return False, f"{path} unreadable ({type(e).__name__})"
     if missing:
         return False, f"{len(missing)} of {len(kernels)} kernels no longer in {root}"
-    return True, f"{len(kernels)} kernels in {root}"
+    if dg_missing:
+        return (
+            False,
+            f"{len(dg_missing)} of {len(dg_kernels)} DeepGEMM kernels no longer in {dg_root}",
+        )
+    dg_what = f" and {len(dg_kernels)} DeepGEMM kernels in {dg_root}" if dg_kernels else ""
+    return True, f"{len(kernels)} kernels in {root}{dg_what}"
 
 
-def write_stamp(cache: str | Path, fp: dict, used: list) -> Path | None:
+def write_stamp(
+    cache: str | Path, fp: dict, used: list, deep_gemm: list | None = None
+) -> Path | None:
     """Record the kernels the workers used, each with the files of its complete entry (atomically:
-    a temporary file renamed into place). None, and nothing written, when a worker could not
-    report, the workers disagree on the cache folder, or no kernel was reported."""
+    a temporary file renamed into place), and the DeepGEMM entries they reported (`deep_gemm`:
+    one (cache folder, {entry: files}) per worker, as `_deepgemm_entries` gives). None, and
+    nothing written, when a worker could not report, the workers disagree on a cache folder, no
+    TileLang kernel was reported, or DeepGEMM's folder is not the fingerprint's."""
     if not used or any(u is None for u in used) or len({u[0] for u in used}) != 1:
         return None
     kernels: dict[str, list[str]] = {}
@@ -235,11 +301,22 @@ def write_stamp(cache: str | Path, fp: dict, used: list) -> Path | None:
         kernels.update(entries)
     if not kernels:
         return None
+    dg_kernels: dict[str, list[str]] = {}
+    dg_cache = ""
+    if deep_gemm:
+        if len({d[0] for d in deep_gemm}) != 1:
+            return None
+        dg_cache = deep_gemm[0][0]
+        if dg_cache and dg_cache != ((fp.get("deep_gemm") or {}).get("cache") or dg_cache):
+            return None  # the workers' folder is not the one a later check looks in
+        for _, entries in deep_gemm:
+            dg_kernels.update(entries)
     path = stamp_path(cache, fp)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"fingerprint": fp, "cache_root": used[0][0], "kernels": kernels},
-                              indent=1))  # fmt: skip
+    doc = {"fingerprint": fp, "cache_root": used[0][0], "kernels": kernels,
+           "deep_gemm": {"cache": dg_cache, "kernels": dg_kernels}}  # fmt: skip
+    tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, path)
     return path
 
@@ -298,7 +375,7 @@ def _main(a) -> int:
         raise UsageError("no CUDA GPU is visible (the kernels compile for it)")
     cache = os.environ.get("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    fp = fingerprint(cfg, (props.name, props.multi_processor_count))
+    fp = fingerprint(cfg, (props.name, props.multi_processor_count), deepgemm_location())
     ready, what = cached_everything(cache, fp)
     if ready:
         print(f"prewarm_mhc: nothing to do, {what} (stamp {stamp_path(cache, fp)})", flush=True)
@@ -343,12 +420,14 @@ def _main(a) -> int:
             if p.is_alive():
                 p.terminate()
         raise
-    used = []
+    used, dg_used = [], []
     if not timed_out:  # each worker reports its keys before it exits (read before join)
         for p in procs:
             while p.is_alive() or not used_q.empty():
                 try:
-                    used.append(used_q.get(timeout=1.0))
+                    tilelang, deep_gemm = used_q.get(timeout=1.0)
+                    used.append(tilelang)
+                    dg_used.append(deep_gemm)
                     break
                 except queue.Empty:
                     continue
@@ -363,13 +442,14 @@ def _main(a) -> int:
     if timed_out:
         failed.append(f"timed out after {a.timeout:.0f} s with {finished} of {len(counts)} done")
     seconds = round(time.monotonic() - t0, 1)
-    stamp = None if failed else write_stamp(cache, fp, used)
+    stamp = None if failed else write_stamp(cache, fp, used, dg_used)
     if a.json:
         _write_json(a.json, {"config": cfg, "cached": False, "token_counts": counts,
                              "workers": len(parts), "seconds": seconds, "ok": not failed,
                              "errors": failed, "stamp": str(stamp) if stamp else None})  # fmt: skip
     if not failed and stamp is None:
-        print("prewarm_mhc: warning: TileLang's cache entries were not readable; no stamp written "
+        print("prewarm_mhc: warning: the cache entries were not readable (TileLang's) or not where "
+              f"they are looked for (DeepGEMM's: {fp['deep_gemm']['cache']}); no stamp written "
               "(the next start runs the full prewarm again)", file=sys.stderr)  # fmt: skip
     if failed:
         for f in failed:
