@@ -12,10 +12,11 @@
 # is changed), CUTEDSL_CACHE_DIR (our compiled kernels, default ~/.cache/cutedsl: a restart loads
 # them; they compile in background processes while the weights load, CUTEDSL_COMPILE_WORKERS of
 # them), TILELANG_CACHE_DIR (vLLM's mHC kernels, default ~/.tilelang/cache), OMP_NUM_THREADS
-# (the server's torch CPU threads, default 1).
+# (the server's torch CPU threads, default 1), DSV4_FIXED_REDUCTIONS=0 (Inductor's own reduction
+# configs, timed in each process: scripts/dsv4_flags.sh).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-. "$HERE/scripts/dsv4_flags.sh"
+. "$HERE/scripts/dsv4_flags.sh" || exit 2
 PYTHON=${PYTHON:-python3}
 MODEL=${1:-${MODEL:-}}
 [ $# -eq 0 ] || shift

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import random
 import subprocess
 import sys
@@ -368,6 +369,22 @@ def test_the_servers_flags_build_the_same_engine_args(tmp_path: Path) -> None:
     # one Triton config per Inductor reduction (the same kernels in a compiling and a loading process)
     want = {"test_configs.force_filter_reduction_configs": True, "dynamic_scale_rblock": False}
     assert {k: got["inductor"].get(k) for k in want} == want
+
+
+def _engine_flags(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", '. scripts/dsv4_flags.sh && printf "%s\\n" "${DSV4_ENGINE_FLAGS[@]}"'],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env})  # fmt: skip
+
+
+def test_fixed_reductions_can_be_turned_off_and_nothing_else_changes() -> None:
+    on, off = _engine_flags({}), _engine_flags({"DSV4_FIXED_REDUCTIONS": "0"})
+    assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
+    assert on.stdout == _engine_flags({"DSV4_FIXED_REDUCTIONS": "1"}).stdout
+    on_cc, off_cc = (json.loads(r.stdout.splitlines()[-1]) for r in (on, off))
+    assert on_cc.pop("inductor_compile_config") and on_cc == off_cc
+    assert on.stdout.splitlines()[:-1] == off.stdout.splitlines()[:-1]
+    bad = _engine_flags({"DSV4_FIXED_REDUCTIONS": "yes"})
+    assert bad.returncode == 2 and "DSV4_FIXED_REDUCTIONS=yes: 1 (the default) or 0" in bad.stderr
 
 
 def test_the_inductor_settings_of_the_flags_exist_in_torch() -> None:

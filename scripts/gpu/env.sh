@@ -24,7 +24,7 @@
 #                         that vLLM in which only the overlaid files are real files, patched by
 #                         `apply_patches.sh --vllm-root DIR --no-install` (make_ours).
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-. "$REPO/scripts/dsv4_flags.sh"  # DSV4_ENGINE_FLAGS, DSV4_CKPT_FLAGS (as scripts/serve.sh)
+. "$REPO/scripts/dsv4_flags.sh" || exit 2  # DSV4_ENGINE_FLAGS, DSV4_CKPT_FLAGS (as scripts/serve.sh)
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 command -v "$PYTHON" >/dev/null 2>&1 || { echo "env.sh: PYTHON=$PYTHON is not an interpreter (run make setup, or set PYTHON)" >&2; exit 2; }
 case "$PYTHON" in */*) PYTHON=$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON") ;; esac

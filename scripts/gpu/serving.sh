@@ -6,8 +6,9 @@
 #
 # Each call does what is not done yet, within BUDGET wall seconds (default 570), in this order:
 #   1. generate both checkpoints (ours: full NVFP4; upstream: the native FP8 + MXFP4 checkpoint of
-#      the same seed), in the background, while the mHC TileLang kernels are compiled into their
-#      disk cache (cutedsl/tools/prewarm_mhc.py) and upstream's DeepGEMM kernels into theirs, many
+#      the same seed), in the background, while vLLM's mHC kernels (TileLang, DeepGEMM) are
+#      compiled into their disk caches from each server's vLLM tree (cutedsl/tools/prewarm_mhc.py)
+#      and upstream's DeepGEMM kernels into theirs, many
 #      at once (bench/deepgemm_prewarm.py; DEEPGEMM_PREWARM=0 leaves them to upstream's own serial
 #      warm-up, about 10 min on a fresh machine); refuses to start without the disk space;
 #   2. ours, then upstream, each alone on the GPU (ONE_AT_A_TIME=1, the default; 0 keeps both
@@ -112,6 +113,7 @@ SETTINGS+=" PROFILE_CONCS='$PROFILE_CONCS' PROFILE_S=$PROFILE_S HOST_CONCS='$HOS
 SETTINGS+=" RETRY_ON_COMPILE=$RETRY_ON_COMPILE"
 SETTINGS+=" CAPTURE_SIZES='$CAPTURE_SIZES' MAX_NUM_SEQS=$MAX_NUM_SEQS"
 [ -n "${FLASH_EXTRA_ENV:-}" ] && SETTINGS="FLASH_EXTRA_ENV='$FLASH_EXTRA_ENV' $SETTINGS"
+[ "$DSV4_FIXED_REDUCTIONS" = 1 ] || SETTINGS="DSV4_FIXED_REDUCTIONS=$DSV4_FIXED_REDUCTIONS $SETTINGS"
 left() { echo $((BUDGET - SECONDS)); }
 note() { echo "$(date -u +%T) [${SECONDS}s] $*" | tee -a "$OUT/summary.txt"; }
 label_of() { case $1 in ours) echo cutedsl-nvfp4 ;; upstream) echo upstream-native ;; esac; }
@@ -171,7 +173,10 @@ start_gen() {
     done
     if [ ! -f "$STATE/prewarm.ok" ] && ! running "$STATE/prewarm.pid"; then
         write_config "$STATE/cfg" nvfp4 || return 1  # the mHC kernels need only the config
-        setsid bash -c "'$PYTHON' -m cutedsl.tools.prewarm_mhc '$STATE/cfg' && touch '$STATE/prewarm.ok'" \
+        # in each server's vLLM tree: DeepGEMM's mHC GEMM entries are named by a hash of its header
+        # path, which differs between the two (prewarm_mhc's docstring)
+        setsid bash -c "$(printf '%q ' "${OURS[@]}")'$PYTHON' -m cutedsl.tools.prewarm_mhc '$STATE/cfg' \
+            && '$PYTHON' -m cutedsl.tools.prewarm_mhc '$STATE/cfg' && touch '$STATE/prewarm.ok'" \
             >"$STATE/prewarm.log" 2>&1 </dev/null &
         echo $! >"$STATE/prewarm.pid"
     fi
