@@ -248,6 +248,19 @@ def test_stream_columns_and_candidates(tmp_path):
             Sm90Nvfp4StreamGemmKernel.config_error(t.rows, t.tokens, t.warps, t.depth) is None
             for t in cands
         )
+        assert not any(t.ctas for t in cands)
+        # with the SM count, dense / grouped rows also time the persistent grid (1 and 2 per SM)
+        more = B.stream_candidates(m, moe, sms=132)
+        grid = [t for t in more if t.ctas]
+        assert set(cands) <= set(more) and (not grid) == moe
+        assert moe or {t.ctas for t in grid} == {132, 264}
+        # a grouped launch of 8 groups (wo_a): the same CTAs in all, split over the groups
+        assert moe or {t.ctas for t in B.stream_candidates(m, moe, 132, 8) if t.ctas} == {16, 33}
+        assert all(
+            Sm90Nvfp4StreamGemmKernel.config_error(t.rows, t.tokens, t.warps, t.depth, t.ctas)
+            is None
+            for t in grid
+        )
 
 
 def test_json_and_md_writers(tmp_path):
@@ -421,6 +434,10 @@ def test_rows_record_tactics_as_lists_and_sweep_keys_as_str():
     assert tactics.parse_tactic(str(s)) == s and tactics.parse_tactic(str(t)) == t
     assert tactics.tactic_entry(s) == {"kernel": "stream", "tactic": [32, 8, 16, 2]}
     assert tactics.table_tactic(tactics.tactic_entry(t), 16) == t
+    p = StreamTactic(32, 8, 16, 2, 264)  # the persistent grid: its bound in the name and entry
+    assert str(p) == "s32x8w16d2p264" and tactics.parse_tactic(str(p)) == p
+    assert tactics.tactic_entry(p) == {"kernel": "stream", "tactic": [32, 8, 16, 2, 264]}
+    assert tactics.table_tactic(tactics.tactic_entry(p), 8) == p
     assert T.row_candidates({"tactic": "s32x8w16d2", "us": 3.0, "sweep_us": {"64x16x1": 4.0}}) == {
         "64x16x1": 4.0,
         "s32x8w16d2": 3.0,

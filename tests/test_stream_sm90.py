@@ -36,9 +36,11 @@ def test_variant_compiles_for_sm90a_with_mma_sync(target) -> None:
 
 def test_check_targets_cover_every_row_block_and_token_width() -> None:
     cfgs = {tuple(int(x) for x in t.name.split(".")[-1][1:].replace("t", " ").replace("w", " ")
-                  .replace("d", " ").split()) for t in TARGETS}  # fmt: skip
+                  .replace("d", " ").replace("p", " ").split()) for t in TARGETS}  # fmt: skip
     assert {r for r, *_ in cfgs} == set(stream.ROWS)
     assert {t for _, t, *_ in cfgs} == set(stream.TOKENS)
+    persistent = {c for c in cfgs if len(c) == 5}  # the persistent grid: each row block too
+    assert {r for r, *_ in persistent} == set(stream.ROWS)
     assert all("wgmma" in t.absent_patterns for t in TARGETS)
 
 
@@ -59,6 +61,27 @@ def test_configuration_limits_are_refused(cfg, msg) -> None:
     with pytest.raises(ValueError, match=msg):
         K(*cfg)
     K(16, 8, 11, 10)  # 211200 B
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [
+        ({"ctas": -1}, "ctas must be 0 .one CTA per row block. or 1..4096"),
+        ({"ctas": stream.MAX_CTAS + 1}, "ctas must be 0"),
+        ({"moe": True, "ctas": 132}, "persistent grid .* is for dense / grouped"),
+    ],
+)
+def test_persistent_limits_are_refused(kw, msg) -> None:
+    with pytest.raises(ValueError, match=msg):
+        K(16, 8, 8, 4, **kw)
+
+
+def test_persistent_park_regions_count_against_shared_memory() -> None:
+    """Persistent mode parks in two regions per warp beside the ring, which never stops."""
+    K(16, 8, 14, 8)  # 215040 B: the fragments park in the ring
+    assert K.smem_bytes(16, 8, 14, 8, 132) - K.smem_bytes(16, 8, 14, 8) == 14 * 2 * 640
+    with pytest.raises(ValueError, match="need 232960 B of shared memory"):
+        K(16, 8, 14, 8, ctas=132)
 
 
 def test_ring_and_park_sizes() -> None:
@@ -104,6 +127,8 @@ def test_moe_grid_limit_and_swiglu_are_refused() -> None:
     offs = torch.tensor([0, 2, 4], dtype=torch.int32)
     t = StreamTactic(16, 8, 8, 4)
     a = torch.randn(4, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="s16x8w8d4p132: the persistent grid is for dense"):
+        G.moe(a, offs, wp, tactic=StreamTactic(16, 8, 8, 4, 132))
     with pytest.raises(NotImplementedError, match="no SwiGLU"):
         G.moe(a, offs, wp, tactic=t, swiglu=True, swiglu_limit=10.0)
     wide = _cpu_weight(2048, 2048, groups=2)
@@ -123,6 +148,12 @@ def test_stream_jobs_are_stable_and_distinct() -> None:
     ts = [StreamTactic(32, 8, 4, 4), StreamTactic(16, 8, 8, 4), StreamTactic(16, 8, 8, 4)]
     assert [j.args for j in G.stream_jobs(set(ts))] == [(16, 8, 8, 4, False), (32, 8, 4, 4, False)]
     assert [j.args for j in G.stream_jobs(ts[:1], moe=True)] == [(32, 8, 4, 4, True)]
+    # the persistent grid's bound is a keyword (absent at 0: the cache keys of one CTA per block)
+    jobs = G.stream_jobs([StreamTactic(16, 8, 8, 4, 132), StreamTactic(16, 8, 8, 4)])
+    assert [(j.args, j.kwargs) for j in jobs] == [
+        ((16, 8, 8, 4, False), ()),
+        ((16, 8, 8, 4, False), (("ctas", 132),)),
+    ]
 
 
 def test_jobs_split_tiled_and_streaming_tactics() -> None:
@@ -173,6 +204,11 @@ CONFIGS = [
     (16, 32, 4, 2),
     (32, 32, 8, 2),
     (16, 8, 1, 3),  # one warp: no cross-warp sum
+    # the persistent grid: a CTA per SM or two, a few CTAs (several blocks each, uneven), one
+    (16, 8, 8, 2, 132),
+    (32, 8, 16, 2, 264),
+    (16, 32, 4, 2, 7),
+    (32, 8, 4, 4, 1),
     # and every configuration a committed tuned table names (test_table_configurations_are_tested)
     (16, 8, 8, 2),
     (32, 8, 4, 2),
@@ -189,7 +225,7 @@ SHAPES = [  # (name, N, K): DSv4-Flash decode shapes and K tile counts below, at
 
 
 @pytest.mark.sm90
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["r{}t{}w{}d{}".format(*c) for c in CONFIGS])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[str(StreamTactic(*c)) for c in CONFIGS])
 @pytest.mark.parametrize(("name", "n", "k"), SHAPES, ids=[s[0] for s in SHAPES])
 def test_dense_every_configuration(cfg, name: str, n: int, k: int) -> None:
     t = StreamTactic(*cfg)
@@ -218,27 +254,30 @@ def test_rows_past_m_are_not_written_and_a_column_slice_is_read_in_place() -> No
 
 
 @pytest.mark.sm90
+@pytest.mark.parametrize("ctas", [0, 5])  # 5: each group's 64 row blocks over 5 persistent CTAs
 @pytest.mark.parametrize("m", [1, 4, 16])
-def test_grouped_token_major_views(m: int) -> None:
+def test_grouped_token_major_views(m: int, ctas: int) -> None:
     """wo_a as the model holds it: x [T, G, D] in, [T, G, R] out, as transposed views."""
     g, r, d = 8, 1024, 4096
     packed, sf, gs = _rand_weight(g, r, d)
     wp = W.prepare_weight(packed, sf, gs)
     x = torch.randn(m, g, d, device="cuda", dtype=torch.bfloat16)
     out = _poison((m, g, r))
-    G.grouped(x.transpose(0, 1), wp, out=out.transpose(0, 1), tactic=StreamTactic(16, 16, 8, 4))
+    t = StreamTactic(16, 16, 8, 4, ctas)
+    G.grouped(x.transpose(0, 1), wp, out=out.transpose(0, 1), tactic=t)
     ref = torch.stack([_ref(x[:, i], packed[i], sf[i], gs[i]) for i in range(g)], dim=1)
-    _assert_close(out, ref, f"grouped token-major M={m}")
+    _assert_close(out, ref, f"grouped token-major M={m} {t}")
 
 
 @pytest.mark.sm90
-def test_deterministic_and_graph_capturable() -> None:
+@pytest.mark.parametrize("ctas", [0, 132])
+def test_deterministic_and_graph_capturable(ctas: int) -> None:
     """The same bits on every run, eagerly and replayed from a CUDA graph."""
     n, k, m = 4096, 8192, 4
     packed, sf, gs = _rand_weight(1, n, k)
     wp = W.prepare_weight(packed, sf, gs)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    t = StreamTactic(16, 8, 16, 4)
+    t = StreamTactic(16, 8, 16, 4, ctas)
     first = G.linear(a, wp, tactic=t)
     again = G.linear(a, wp, tactic=t)
     out = _poison((m, n))

@@ -53,7 +53,8 @@ Columns:
   and timing; `x_swiglu_fused` = sep / fused.
 - stream (asked for by name; rows with M <= 32): the streaming decode kernel
   (`cutedsl.sm90.kernels.stream`, forced with a `StreamTactic`) in every `stream_candidates`
-  configuration, same weight copies / routings and timing as ours: `stream_us` the fastest, `stream_tactic`
+  configuration (the persistent grid too, sized by the GPU's SM count), same weight copies /
+  routings and timing as ours: `stream_us` the fastest, `stream_tactic`
   its configuration, `stream_sweep_us` each; `x_stream` = ours us / stream_us (> 1: the streaming
   kernel is faster), `pct_copy_time_stream` = copy_us / stream_us.
 - quack (asked for by name, with --quack-env FILE): quack-kernels' CuTeDSL `gemm_w4a16` (NVFP4)
@@ -662,14 +663,19 @@ def bench_swiglu(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget
     torch.cuda.empty_cache()
 
 
-def stream_candidates(m: int, moe: bool = False) -> list:
+def stream_candidates(m: int, moe: bool = False, sms: int = 0, groups: int = 1) -> list:
     """The streaming decode configurations timed for M tokens (--impls stream): the narrowest
     token width that holds M (MoE: 8, an expert's rows at decode), each row block, 4 / 8 / 16
-    warps, 2 / 4 / 6 / 8 stages, where they fit shared memory."""
+    warps, 2 / 4 / 6 / 8 stages; with the GPU's SM count `sms` (dense / grouped), also the
+    persistent grid of sms and 2 sms CTAs in all (a grouped launch of `groups` groups: that over
+    groups per group) at 8 / 16 warps and 2 / 4 stages; where they fit shared memory."""
     from cutedsl.sm90.kernels.stream import ROWS, TOKENS, Sm90Nvfp4StreamGemmKernel
 
     tokens = 8 if moe else min(t for t in TOKENS if t >= m)
-    cfgs = [(r, tokens, w, d) for r in ROWS for w in (4, 8, 16) for d in (2, 4, 6, 8)]
+    cfgs = [(r, tokens, w, d, 0) for r in ROWS for w in (4, 8, 16) for d in (2, 4, 6, 8)]
+    if sms and not moe:
+        cfgs += [(r, tokens, w, d, p) for r in ROWS for w in (8, 16) for d in (2, 4)
+                 for p in (max(1, sms // groups), max(1, 2 * sms // groups))]  # fmt: skip
     return [StreamTactic(*c) for c in cfgs if Sm90Nvfp4StreamGemmKernel.config_error(*c) is None]
 
 
@@ -692,7 +698,9 @@ def bench_stream(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget
         g, n, k = shape.groups, shape.n, shape.k
         n_copies = 1 if moe else _copies(weight_bytes(g, n, k))
         wps = [random_prepared_weight(g, n, k) for _ in range(n_copies)]
-        cands = {m: stream_candidates(m, moe) for m in todo}
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        per = g if shape.kind == "grouped" else 1
+        cands = {m: stream_candidates(m, moe, sms, per) for m in todo}
         jit.prefetch(gemm.stream_jobs({t for ts in cands.values() for t in ts}, moe))
     except Exception as e:  # noqa: BLE001 - one implementation failing never stops the run
         _set(rows_by_m, todo, "stream_error", _err(e))

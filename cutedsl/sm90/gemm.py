@@ -72,18 +72,34 @@ def _check_moe_grid(rows: int, experts: int, tile: int, what: str) -> None:
 
 
 def _build_stream(
-    rows: int, tokens: int, warps: int, depth: int, moe: bool = False, no_jit_engine: bool = False
+    rows: int,
+    tokens: int,
+    warps: int,
+    depth: int,
+    moe: bool = False,
+    ctas: int = 0,
+    no_jit_engine: bool = False,
 ) -> object:
     from cutedsl.sm90.kernels.stream import compile_kernel
 
-    return compile_kernel(rows, tokens, warps, depth, moe, no_jit_engine=no_jit_engine)
+    return compile_kernel(rows, tokens, warps, depth, moe, ctas=ctas, no_jit_engine=no_jit_engine)
+
+
+def _stream_kwargs(t: StreamTactic) -> dict:
+    """The build's keyword arguments of a streaming configuration: none for one CTA per row
+    block (so its cache key has none), the persistent grid's bound otherwise."""
+    return {"ctas": t.ctas} if t.ctas else {}
 
 
 def stream_jobs(tactics: Iterable[StreamTactic], moe: bool = False) -> list[jit.Job]:
     """The `jit.Job` of each streaming decode configuration (dense / grouped, or MoE), in a
     stable order."""
     return [
-        jit.Job(_build_stream, (t.rows, t.tokens, t.warps, t.depth, moe), ())
+        jit.Job(
+            _build_stream,
+            (t.rows, t.tokens, t.warps, t.depth, moe),
+            tuple(sorted(_stream_kwargs(t).items())),
+        )
         for t in sorted(tactics)
     ]
 
@@ -95,11 +111,13 @@ def _launch_stream(
     """Check a StreamTactic against the launch, then run it."""
     from cutedsl.sm90.kernels.stream import Sm90Nvfp4StreamGemmKernel as K
 
-    err = K.config_error(tactic.rows, tactic.tokens, tactic.warps, tactic.depth)
+    err = K.config_error(tactic.rows, tactic.tokens, tactic.warps, tactic.depth, tactic.ctas)
     if err:
         raise ValueError(f"tactic {tactic}: {err}")
     m = a3.shape[1]
     moe = offs is not None
+    if moe and tactic.ctas:
+        raise ValueError(f"tactic {tactic}: the persistent grid is for dense / grouped launches")
     if moe:
         _check_moe_grid(m, wp.groups, tactic.tokens, "tokens")
     if moe and m * max(wp.k, wp.n) >= 2**31:  # the kernel's activation / output offsets: int32
@@ -109,7 +127,9 @@ def _launch_stream(
     if not K.can_implement(wp.n, wp.k, tactic.rows):
         raise ValueError(f"tactic {tactic}: N = {wp.n} is not a multiple of {tactic.rows} rows")
     args = (tactic.rows, tactic.tokens, tactic.warps, tactic.depth, moe)
-    jit.compiled(_build_stream, *args)(*kernel_operands(a3, wp, out3, offs))
+    jit.compiled(_build_stream, *args, **_stream_kwargs(tactic))(
+        *kernel_operands(a3, wp, out3, offs)
+    )
 
 
 def _epilogue_kwargs(swiglu: bool, swiglu_limit: float | None) -> dict:

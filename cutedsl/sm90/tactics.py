@@ -46,16 +46,20 @@ class StreamTactic:
     """A configuration of the streaming decode kernel (`cutedsl.sm90.kernels.stream`): `rows`
     (16 | 32) weight rows per warp and CTA, up to `tokens` (8 | 16 | 32) tokens, K split over
     `warps` warps, a `depth`-stage copy ring per warp. Dense / grouped launches of at most
-    `tokens` rows, MoE launches in tiles of `tokens` rows per expert. Taken where a tuned table
-    names it (dense / grouped) or when forced (`gemm.linear / grouped / moe(..., tactic=...)`)."""
+    `tokens` rows, MoE launches in tiles of `tokens` rows per expert; `ctas` > 0: the persistent
+    grid of at most that many CTAs, each streaming several row blocks (dense / grouped only).
+    Taken where a tuned table names it (dense / grouped) or when forced (`gemm.linear / grouped /
+    moe(..., tactic=...)`)."""
 
     rows: int
     tokens: int
     warps: int
     depth: int
+    ctas: int = 0
 
     def __str__(self) -> str:
-        return f"s{self.rows}x{self.tokens}w{self.warps}d{self.depth}"
+        grid = f"p{self.ctas}" if self.ctas else ""
+        return f"s{self.rows}x{self.tokens}w{self.warps}d{self.depth}{grid}"
 
 
 @dataclass(frozen=True)
@@ -88,18 +92,22 @@ TableRows = list[tuple[int, AnyTactic]]
 
 
 def parse_tactic(name: str) -> AnyTactic:
-    """The tactic of its `str`: "64x16x4" (Tactic), "s32x8w16d2" (StreamTactic)."""
+    """The tactic of its `str`: "64x16x4" (Tactic), "s32x8w16d2" or "s32x8w16d2p264"
+    (StreamTactic)."""
     if name.startswith("s"):
         rows, rest = name[1:].split("x")
         tokens, rest = rest.split("w")
-        warps, depth = rest.split("d")
-        return StreamTactic(int(rows), int(tokens), int(warps), int(depth))
+        warps, rest = rest.split("d")
+        depth, _, ctas = rest.partition("p")
+        return StreamTactic(int(rows), int(tokens), int(warps), int(depth), int(ctas or 0))
     return Tactic(*(int(x) for x in name.split("x")))
 
 
 def tactic_entry(t: AnyTactic) -> dict:
     """The tuned-table fields of a tactic (what `table_tactic` reads back)."""
     fields = list(dataclasses.astuple(t))
+    if isinstance(t, StreamTactic) and not t.ctas:
+        fields = fields[:4]  # [rows, tokens, warps, depth]; the persistent grid adds ctas
     return (
         {"kernel": "stream", "tactic": fields}
         if isinstance(t, StreamTactic)
@@ -109,7 +117,8 @@ def tactic_entry(t: AnyTactic) -> dict:
 
 def table_tactic(entry: dict, m: int) -> AnyTactic:
     """The tactic of one tuned-table entry for M = m: {"tactic": [tile_n, tile_m, split_k]}, or
-    {"kernel": "stream", "tactic": [rows, tokens, warps, depth]} holding at least m tokens."""
+    {"kernel": "stream", "tactic": [rows, tokens, warps, depth(, ctas)]} holding at least m
+    tokens."""
     if entry.get("kernel", "tiled") == "stream":
         t = StreamTactic(*entry["tactic"])
         if t.tokens < m:

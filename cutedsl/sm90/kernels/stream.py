@@ -40,10 +40,17 @@ one CTA barrier, thread u sums output (row u % 16, token (u // 16) % 8 of its bl
 in warp order (deterministic, the same bits on every run), scales by gs * 2^19 (DECODE_BIAS),
 rounds to bf16 and stores it; 16 consecutive threads write 32 contiguous bytes.
 
+Persistent mode (`ctas` > 0; dense / grouped only): the grid is (min(N / rows, ctas), 1, L) and
+CTA x owns the row blocks x, x + P, x + 2 P, ... (P = grid.x). Each warp's copy ring runs on across
+its blocks: the K tiles of the next block are in flight while the CTA sums and stores the last one,
+so a CTA pays the ring's fill once, not once per block. Its fragments are parked in a separate
+region (two of them, alternating by block: one CTA barrier per block), not in the ring.
+
 Compile-time: rows (16 | 32: 16-row blocks per warp), tokens (8 | 16 | 32: n8 tiles), warps
-(1..16), depth (2..16: stages per warp ring) and moe. Runtime: M, N, K, L, strides, pointers, stream.
-Graph safety: no host sync; the grid is (N / rows, 1, L), MoE (N / rows, min(E, T) + T // tokens,
-1).
+(1..16), depth (2..16: stages per warp ring), ctas (0: one CTA per row block; else the persistent
+grid's CTA bound, 1..MAX_CTAS) and moe. Runtime: M, N, K, L, strides, pointers, stream.
+Graph safety: no host sync; the grid is (N / rows, 1, L) (persistent: (min(N / rows, ctas), 1, L)),
+MoE (N / rows, min(E, T) + T // tokens, 1).
 Constraints: N % rows == 0, K % 64 == 0; dense / grouped 1 <= M <= tokens.
 """
 
@@ -76,6 +83,7 @@ ROWS = (16, 32)
 TOKENS = (8, 16, 32)
 MAX_WARPS = 16
 MAX_DEPTH = 16
+MAX_CTAS = 4096
 
 
 # ------------------------------------------------------------------------------ PTX helpers
@@ -136,22 +144,36 @@ def mma_16816_bf16(acc: tuple, a: tuple, b: tuple, *, loc=None, ip=None) -> tupl
 # ------------------------------------------------------------------------------ kernel
 
 
+def stage_of(loads: tuple) -> int:
+    """The ring stage's bytes, from `_addresses`'s operands."""
+    return loads[-1]
+
+
 class Sm90Nvfp4StreamGemmKernel:
     """W4A16 NVFP4 decode GEMM for sm_90a (module docstring). `__init__` takes codegen
     configuration only."""
 
     def __init__(
-        self, rows: int = 16, tokens: int = 8, warps: int = 8, depth: int = 4, moe: bool = False
+        self,
+        rows: int = 16,
+        tokens: int = 8,
+        warps: int = 8,
+        depth: int = 4,
+        moe: bool = False,
+        ctas: int = 0,
     ):
-        err = self.config_error(rows, tokens, warps, depth)
+        err = self.config_error(rows, tokens, warps, depth, ctas)
         if err:
             raise ValueError(err)
+        if moe and ctas:
+            raise ValueError("the persistent grid (ctas > 0) is for dense / grouped launches")
         self.rows, self.tokens, self.warps, self.depth = rows, tokens, warps, depth
-        self.moe = moe
+        self.moe, self.ctas = moe, ctas
         self.rb = rows // 16  # 16-row blocks per warp
         self.nt = tokens // 8  # n8 token tiles
         self.threads = 32 * warps
-        self.warp_bytes = self.region_bytes(rows, tokens, depth)
+        self.warp_bytes = self.region_bytes(rows, tokens, depth, ctas)
+        self.park_bytes = self.park_region_bytes(rows, tokens) if ctas else 0
 
     @staticmethod
     def stage_bytes(rows: int, tokens: int) -> int:
@@ -161,13 +183,29 @@ class Sm90Nvfp4StreamGemmKernel:
         return (rows // 8) * 32 * (8 + 4) + (tokens // 8) * A_TILE
 
     @staticmethod
-    def region_bytes(rows: int, tokens: int, depth: int) -> int:
-        """One warp's shared memory: its ring, which its parked fragments reuse afterwards."""
-        park = (rows // 16) * (tokens // 8) * BLOCK * 4
-        return max(depth * Sm90Nvfp4StreamGemmKernel.stage_bytes(rows, tokens), park)
+    def park_region_bytes(rows: int, tokens: int) -> int:
+        """One warp's parked fragments: per 16-row block and n8 token tile, BLOCK floats."""
+        return (rows // 16) * (tokens // 8) * BLOCK * 4
 
     @staticmethod
-    def config_error(rows: int, tokens: int, warps: int, depth: int) -> str | None:
+    def region_bytes(rows: int, tokens: int, depth: int, ctas: int = 0) -> int:
+        """One warp's ring; one CTA's parked fragments reuse the rings afterwards, except in
+        persistent mode (`ctas` > 0), where the rings never stop."""
+        ring = depth * Sm90Nvfp4StreamGemmKernel.stage_bytes(rows, tokens)
+        return (
+            ring if ctas else max(ring, Sm90Nvfp4StreamGemmKernel.park_region_bytes(rows, tokens))
+        )
+
+    @staticmethod
+    def smem_bytes(rows: int, tokens: int, warps: int, depth: int, ctas: int = 0) -> int:
+        """A CTA's dynamic shared memory: the warps' rings (persistent: and two park regions
+        per warp)."""
+        K = Sm90Nvfp4StreamGemmKernel
+        park = 2 * K.park_region_bytes(rows, tokens) if ctas else 0
+        return warps * (K.region_bytes(rows, tokens, depth, ctas) + park)
+
+    @staticmethod
+    def config_error(rows: int, tokens: int, warps: int, depth: int, ctas: int = 0) -> str | None:
         """Why the kernel refuses this configuration (None if it takes it)."""
         if rows not in ROWS:
             return f"rows must be one of {ROWS}, got {rows}"
@@ -177,7 +215,9 @@ class Sm90Nvfp4StreamGemmKernel:
             return f"warps must be 1..{MAX_WARPS}, got {warps}"
         if not 2 <= depth <= MAX_DEPTH:
             return f"depth must be 2..{MAX_DEPTH}, got {depth}"
-        need = warps * Sm90Nvfp4StreamGemmKernel.region_bytes(rows, tokens, depth)
+        if not 0 <= ctas <= MAX_CTAS:
+            return f"ctas must be 0 (one CTA per row block) or 1..{MAX_CTAS}, got {ctas}"
+        need = Sm90Nvfp4StreamGemmKernel.smem_bytes(rows, tokens, warps, depth, ctas)
         if need > SMEM_CAPACITY:
             return f"{warps} warps x {depth} stages need {need} B of shared memory"
         return None
@@ -205,10 +245,15 @@ class Sm90Nvfp4StreamGemmKernel:
             ring: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Uint8, self.warps * self.warp_bytes], 16
             ]
+            park: cute.struct.Align[  # persistent mode: two regions per warp
+                cute.struct.MemRange[cutlass.Uint8, max(16, 2 * self.warps * self.park_bytes)], 16
+            ]
             sched: cute.struct.MemRange[cutlass.Int32, self.warps + 2]  # `moe_tile`
 
         self.shared_storage = SharedStorage
         grid = (cute.size(w, mode=[0]) // self.rows, 1, cute.size(w, mode=[2]))
+        if cutlass.const_expr(self.ctas > 0):
+            grid = (cutlass.min(grid[0], self.ctas), 1, grid[2])
         if cutlass.const_expr(self.moe):
             rows_t = cute.size(a, mode=[0])
             groups = cute.size(w, mode=[2])
@@ -237,24 +282,16 @@ class Sm90Nvfp4StreamGemmKernel:
             if has_tile:
                 tok0 = mOffs[grp] + m_tile * self.tokens
                 t_cnt = cutlass.min(mOffs[grp + 1] - tok0, self.tokens)
-        if has_tile:
+        if cutlass.const_expr(self.ctas > 0):
+            self._persistent(mA, mW, mS, mGS, mC, storage, tidx, bidx, grp)
+        elif has_tile:
             self._cta(mA, mW, mS, mGS, mC, storage, tidx, bidx, grp, act_l, tok0, t_cnt)
 
-    @cute.jit
-    def _cta(self, mA, mW, mS, mGS, mC, storage, tidx, bidx, grp, act_l, tok0, t_cnt):
-        """One CTA's work: weight rows [bidx * rows, + rows) of group grp times tokens
-        [tok0, tok0 + t_cnt) (t_cnt <= tokens) of activation group act_l."""
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = tidx % 32
-        g = lane // 4  # the row (and token) of this lane in its quad's 8
-        c = lane % 4  # the lane's K pair in each 8-wide K half
-        ring0 = storage.ring.data_ptr().toint()
-        ring = ring0 + warp * self.warp_bytes  # this warp's region
-
-        k_tiles = cute.size(mS, mode=[1])
-        n0 = bidx * self.rows
-        mine = (k_tiles - warp + self.warps - 1) // self.warps  # tiles w, w + warps, ...
-
+    def _addresses(self, mA, mW, mS, ring, lane, grp, act_l, n0, tok0, t_cnt):
+        """This lane's copy sources at K tile 0 and its places in a ring stage, for weight rows
+        [n0, n0 + rows) of group grp and tokens [tok0, tok0 + t_cnt) of activation group act_l:
+        (the `_issue` operands, the ldmatrix row address)."""
+        g, c = lane // 4, lane % 4  # the lane's row (and token) in its quad's 8; its K pair
         # Global byte addresses at K tile 0: a tile adds 32 weight bytes, one scale row (s_step)
         # and 128 activation bytes. Token 8 t + g is clamped to the last token.
         w_base = mW.iterator.toint()
@@ -262,13 +299,13 @@ class Sm90Nvfp4StreamGemmKernel:
         a_base = mA.iterator.toint()
         s_step = Int64(cute.crd2idx((0, 1, 0), mS.layout)) * 4
         w_src, s_src, a_src = [], [], []
-        for r in cutlass.range_constexpr(self.rb):
-            for h in cutlass.range_constexpr(2):  # rows g and g + 8 of block r
+        for r in range(self.rb):
+            for h in range(2):  # rows g and g + 8 of block r
                 n = n0 + 16 * r + 8 * h + g
                 w_src.append(w_base + Int64(cute.crd2idx((n, c * 8, grp), mW.layout)))
                 s_src.append(s_base + Int64(cute.crd2idx((n, 0, grp), mS.layout)) * 4)
         a_len = []  # bytes read per activation chunk: 16, or 0 (zero-filled) past the last token
-        for t in cutlass.range_constexpr(self.nt):  # k chunks c and c + 4 (16 B) of token g
+        for t in range(self.nt):  # k chunks c and c + 4 (16 B) of token g
             tok = tok0 + cutlass.min(8 * t + g, t_cnt - 1)
             a_src.append(a_base + Int64(cute.crd2idx((tok, c * 8, act_l), mA.layout)) * 2)
             a_len.append(16 * cutlass.min(cutlass.max(t_cnt - 8 * t - g, 0), 1))
@@ -280,7 +317,52 @@ class Sm90Nvfp4StreamGemmKernel:
         a_dst = ring + nw * 384 + g * A_ROW + c * 16
         a_ld = ring + nw * 384 + (lane % 8) * A_ROW + (lane // 8) * 16
         stage = self.stage_bytes(self.rows, self.tokens)
-        loads = (w_src, s_src, a_src, a_len, s_step, w_dst, s_dst, a_dst, stage)
+        return (w_src, s_src, a_src, a_len, s_step, w_dst, s_dst, a_dst, stage), a_ld
+
+    def _park(self, acc, base, lane):
+        """Store this warp's fp32 fragments at `base`: per 16-row block r and n8 token tile t,
+        8 token rows of PITCH floats."""
+        g, c = lane // 4, lane % 4
+        for r in range(self.rb):
+            for t in range(self.nt):
+                blk = base + (r * self.nt + t) * (BLOCK * 4)
+                for e in range(4):  # token 2 c + e % 2, row g + 8 (e // 2)
+                    addr = blk + ((2 * c + e % 2) * PITCH + g + 8 * (e // 2)) * 4
+                    du.st_shared_f32xn(addr, (acc[(r * self.nt + t) * 4 + e],))
+
+    @cute.jit
+    def _sum_store(self, mGS, mC, base, stride, tidx, grp, act_l, n0, tok0, t_cnt):
+        """After a CTA barrier: thread u sums output (row u % 16, token (u // 16) % 8 of its
+        block) over the warps' parked fragments (warp w's at base + w * stride, in warp order),
+        scales, rounds and stores it to rows [n0, n0 + rows), tokens below t_cnt."""
+        scale = mGS[grp] * DECODE_BIAS  # the decode's products are e2m1·sf·2^-19
+        outputs = self.rb * self.nt * 128
+        for it in cutlass.range_constexpr((outputs + self.threads - 1) // self.threads):
+            u = tidx + it * self.threads
+            if u < outputs:
+                blk = u // 128  # = r * nt + t
+                tok = 8 * (blk % self.nt) + (u % 128) // 16
+                row = n0 + 16 * (blk // self.nt) + u % 16
+                if tok < t_cnt:
+                    off = base + (blk * BLOCK + ((u % 128) // 16) * PITCH + u % 16) * 4
+                    s = ld_shared_f32(off)
+                    for wi in cutlass.range_constexpr(1, self.warps):
+                        s = s + ld_shared_f32(off + wi * stride)
+                    mC[row, tok0 + tok, act_l] = (s * scale).to(self.out_dtype)
+
+    @cute.jit
+    def _cta(self, mA, mW, mS, mGS, mC, storage, tidx, bidx, grp, act_l, tok0, t_cnt):
+        """One CTA's work: weight rows [bidx * rows, + rows) of group grp times tokens
+        [tok0, tok0 + t_cnt) (t_cnt <= tokens) of activation group act_l."""
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        ring0 = storage.ring.data_ptr().toint()
+        ring = ring0 + warp * self.warp_bytes  # this warp's region
+
+        k_tiles = cute.size(mS, mode=[1])
+        n0 = bidx * self.rows
+        mine = (k_tiles - warp + self.warps - 1) // self.warps  # tiles w, w + warps, ...
+        loads, a_ld = self._addresses(mA, mW, mS, ring, lane, grp, act_l, n0, tok0, t_cnt)
 
         acc = cute.make_rmem_tensor((self.rb * self.nt * 4,), cutlass.Float32)
         acc.fill(0.0)
@@ -302,42 +384,98 @@ class Sm90Nvfp4StreamGemmKernel:
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(self.depth - 1)
             cute.arch.sync_warp()  # the activation rows other lanes copied are visible
-            self._tile(acc, (i % self.depth) * stage, ring, a_ld, lane)
+            self._tile(acc, (i % self.depth) * stage_of(loads), ring, a_ld, lane)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_warp()  # every lane's copies landed before any lane parks over them
 
         # ---------------------------------------------------------------- epilogue
-        for r in cutlass.range_constexpr(self.rb):
-            for t in cutlass.range_constexpr(self.nt):
-                blk = ring + (r * self.nt + t) * (BLOCK * 4)
-                for e in cutlass.range_constexpr(4):  # token 2 c + e % 2, row g + 8 (e // 2)
-                    addr = blk + ((2 * c + e % 2) * PITCH + g + 8 * (e // 2)) * 4
-                    du.st_shared_f32xn(addr, (acc[(r * self.nt + t) * 4 + e],))
+        self._park(acc, ring, lane)
         cute.arch.barrier()
-        scale = mGS[grp] * DECODE_BIAS  # the decode's products are e2m1·sf·2^-19
-        outputs = self.rb * self.nt * 128
-        for it in cutlass.range_constexpr((outputs + self.threads - 1) // self.threads):
-            u = tidx + it * self.threads
-            if u < outputs:
-                blk = u // 128  # = r * nt + t
-                tok = 8 * (blk % self.nt) + (u % 128) // 16
-                row = n0 + 16 * (blk // self.nt) + u % 16
-                if tok < t_cnt:
-                    off = ring0 + (blk * BLOCK + ((u % 128) // 16) * PITCH + u % 16) * 4
-                    s = ld_shared_f32(off)
-                    for wi in cutlass.range_constexpr(1, self.warps):
-                        s = s + ld_shared_f32(off + wi * self.warp_bytes)
-                    mC[row, tok0 + tok, act_l] = (s * scale).to(self.out_dtype)
+        self._sum_store(mGS, mC, ring0, self.warp_bytes, tidx, grp, act_l, n0, tok0, t_cnt)
 
     @cute.jit
-    def _issue(self, kt, slot, loads):
-        """Copy this lane's bytes of K tile kt into ring stage `slot`."""
+    def _persistent(self, mA, mW, mS, mGS, mC, storage, tidx, bidx, grp):
+        """Persistent mode (module docstring): row blocks bidx, bidx + P, ... (P = grid.x) of
+        group grp times every token of activation group grp, one copy stream per warp across
+        all of them."""
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        ring0 = storage.ring.data_ptr().toint()
+        ring = ring0 + warp * self.warp_bytes
+        park0 = storage.park.data_ptr().toint()
+        pair = self.warps * self.park_bytes  # one of the two park regions
+
+        k_tiles = cute.size(mS, mode=[1])
+        mine = (k_tiles - warp + self.warps - 1) // self.warps  # K tiles w, w + warps, ...
+        p = cute.arch.grid_dim()[0]
+        blocks = (cute.size(mW, mode=[0]) // self.rows - bidx + p - 1) // p  # bidx, bidx + p, ...
+        total = blocks * mine  # this warp's tiles, block-major
+        t_cnt = cute.size(mA, mode=[0])
+        loads, a_ld = self._addresses(mA, mW, mS, ring, lane, grp, grp, bidx * self.rows, 0, t_cnt)
+        # byte offsets of the next block (p row blocks further) in the weights and the scales
+        w_blk = Int64(cute.crd2idx((self.rows, 0, 0), mW.layout)) * Int64(p)
+        s_blk = Int64(cute.crd2idx((self.rows, 0, 0), mS.layout)) * 4 * Int64(p)
+
+        acc = cute.make_rmem_tensor((self.rb * self.nt * 4,), cutlass.Float32)
+        acc.fill(0.0)
+        # the copy pointer: flat tile fi = jb * mine + it of this warp; it stays at the last
+        # tile once there (copies past the end refill a freed stage with it, never read)
+        fi, jb, it = Int32(0), Int32(0), Int32(0)
+        for i in cutlass.range_constexpr(self.depth - 1):
+            if i < total:
+                self._issue(
+                    warp + self.warps * it, i, loads, (Int64(jb) * w_blk, Int64(jb) * s_blk)
+                )
+            cute.arch.cp_async_commit_group()
+            if fi < total - 1:
+                fi = fi + 1
+                it = it + 1
+                if it == mine:
+                    it = Int32(0)
+                    jb = jb + 1
+        f = Int32(0)  # the tile multiplied next, flat
+        for b in cutlass.range(blocks, unroll=1):
+            for _ in cutlass.range(mine, unroll=1):
+                cute.arch.sync_warp()  # the stage refilled below (tile f - 1's) is read out
+                slot = (f + self.depth - 1) % self.depth
+                self._issue(
+                    warp + self.warps * it, slot, loads, (Int64(jb) * w_blk, Int64(jb) * s_blk)
+                )
+                cute.arch.cp_async_commit_group()
+                if fi < total - 1:
+                    fi = fi + 1
+                    it = it + 1
+                    if it == mine:
+                        it = Int32(0)
+                        jb = jb + 1
+                cute.arch.cp_async_wait_group(self.depth - 1)
+                cute.arch.sync_warp()
+                self._tile(acc, (f % self.depth) * stage_of(loads), ring, a_ld, lane)
+                f = f + 1
+            # block b done: park (regions alternate by block, so one barrier per block orders
+            # this park after every thread's sums of block b - 2 from the same region)
+            self._park(acc, park0 + (b % 2) * pair + warp * self.park_bytes, lane)
+            acc.fill(0.0)
+            cute.arch.barrier()
+            n0 = (bidx + b * p) * self.rows
+            self._sum_store(
+                mGS, mC, park0 + (b % 2) * pair, self.park_bytes, tidx, grp, grp, n0, 0, t_cnt
+            )
+        cute.arch.cp_async_wait_group(0)  # no copy outlives the CTA
+
+    @cute.jit
+    def _issue(self, kt, slot, loads, block=None):
+        """Copy this lane's bytes of K tile kt into ring stage `slot`; `block`: byte offsets
+        (weights, scales) of another row block than `_addresses`'s."""
         w_src, s_src, a_src, a_len, s_step, w_dst, s_dst, a_dst, stage = loads
         kt64 = Int64(kt)
         off = slot * stage
+        w_off, s_off = kt64 * 32, kt64 * s_step
+        if cutlass.const_expr(block is not None):
+            w_off, s_off = w_off + block[0], s_off + block[1]
         for i in cutlass.range_constexpr(2 * self.rb):
-            cp_async(w_dst + off + i * 256, w_src[i] + kt64 * 32, 8)
-            cp_async(s_dst + off + i * 128, s_src[i] + kt64 * s_step, 4)
+            cp_async(w_dst + off + i * 256, w_src[i] + w_off, 8)
+            cp_async(s_dst + off + i * 128, s_src[i] + s_off, 4)
         for t in cutlass.range_constexpr(self.nt):
             for h in cutlass.range_constexpr(2):  # k 8 c .. 8 c + 7, then 32 more
                 src = a_src[t] + kt64 * 128 + 64 * h
@@ -384,11 +522,12 @@ def compile_kernel(
     depth: int,
     moe: bool = False,
     *,
+    ctas: int = 0,
     no_jit_engine: bool = False,
 ) -> object:
     """cute.compile one configuration from fake tensors (the tiled kernel's operands: TVM-FFI,
     env stream); `no_jit_engine` compiles without loading (no GPU needed)."""
-    kernel = Sm90Nvfp4StreamGemmKernel(rows, tokens, warps, depth, moe)
+    kernel = Sm90Nvfp4StreamGemmKernel(rows, tokens, warps, depth, moe, ctas)
     kw = {"no_jit_engine": True} if no_jit_engine else {}
     return cute.compile(kernel, *fake_operands(moe), options="--enable-tvm-ffi", **kw)
 
@@ -423,17 +562,19 @@ def check_targets() -> list[KernelTarget]:
     )
     variants = [(16, 8, 8, 8), (16, 16, 8, 4), (32, 8, 4, 4), (16, 32, 4, 2), (32, 16, 16, 2)]
     moe = [(16, 8, 8, 4), (32, 16, 4, 2)]  # + the expert-tile scan (warp shfl.up)
+    persistent = [(16, 8, 8, 2, 264), (32, 8, 16, 4, 132), (32, 32, 4, 2, 132)]
+    cfgs = [(*c, m, 0) for m, cs in ((False, variants), (True, moe)) for c in cs]
+    cfgs += [(r, t, w, d, False, p) for r, t, w, d, p in persistent]
     return [
         KernelTarget(
-            name=f"sm90.stream_gemm.{'moe.' if m else ''}r{r}t{t}w{w}d{d}",
+            name=f"sm90.stream_gemm.{'moe.' if m else ''}r{r}t{t}w{w}d{d}{f'p{p}' if p else ''}",
             arch="sm_90a",
-            compile=lambda r=r, t=t, w=w, d=d, m=m: compile_kernel(
-                r, t, w, d, m, no_jit_engine=True
+            compile=lambda r=r, t=t, w=w, d=d, m=m, p=p: compile_kernel(
+                r, t, w, d, m, ctas=p, no_jit_engine=True
             ),
             ptx_patterns=(*ptx, r"shfl\.sync\.up\.b32") if m else ptx,
             sass_patterns=sass,
             absent_patterns=(r"wgmma", r"cp\.async\.bulk"),
         )
-        for m, cfgs in ((False, variants), (True, moe))
-        for r, t, w, d in cfgs
+        for r, t, w, d, m, p in cfgs
     ]
