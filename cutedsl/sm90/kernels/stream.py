@@ -427,12 +427,7 @@ class Sm90Nvfp4StreamGemmKernel:
                     warp + self.warps * it, i, loads, (Int64(jb) * w_blk, Int64(jb) * s_blk)
                 )
             cute.arch.cp_async_commit_group()
-            if fi < total - 1:
-                fi = fi + 1
-                it = it + 1
-                if it == mine:
-                    it = Int32(0)
-                    jb = jb + 1
+            fi, jb, it = self._advance(fi, jb, it, total, mine)
         f = Int32(0)  # the tile multiplied next, flat
         for b in cutlass.range(blocks, unroll=1):
             for _ in cutlass.range(mine, unroll=1):
@@ -442,12 +437,7 @@ class Sm90Nvfp4StreamGemmKernel:
                     warp + self.warps * it, slot, loads, (Int64(jb) * w_blk, Int64(jb) * s_blk)
                 )
                 cute.arch.cp_async_commit_group()
-                if fi < total - 1:
-                    fi = fi + 1
-                    it = it + 1
-                    if it == mine:
-                        it = Int32(0)
-                        jb = jb + 1
+                fi, jb, it = self._advance(fi, jb, it, total, mine)
                 cute.arch.cp_async_wait_group(self.depth - 1)
                 cute.arch.sync_warp()
                 self._tile(acc, (f % self.depth) * stage_of(loads), ring, a_ld, lane)
@@ -462,6 +452,17 @@ class Sm90Nvfp4StreamGemmKernel:
                 mGS, mC, park0 + (b % 2) * pair, self.park_bytes, tidx, grp, grp, n0, 0, t_cnt
             )
         cute.arch.cp_async_wait_group(0)  # no copy outlives the CTA
+
+    @cute.jit
+    def _advance(self, fi, jb, it, total, mine):
+        """The copy pointer's next flat tile fi = jb * mine + it, held at the last (total - 1)."""
+        if fi < total - 1:
+            fi = fi + 1
+            it = it + 1
+            if it == mine:
+                it = Int32(0)
+                jb = jb + 1
+        return fi, jb, it
 
     @cute.jit
     def _issue(self, kt, slot, loads, block=None):
