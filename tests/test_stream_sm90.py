@@ -204,11 +204,14 @@ CONFIGS = [
     (16, 32, 4, 2),
     (32, 32, 8, 2),
     (16, 8, 1, 3),  # one warp: no cross-warp sum
-    # the persistent grid: a CTA per SM or two, a few CTAs (several blocks each, uneven), one
+    # the persistent grid: a CTA per SM or two, a few CTAs (several blocks each, uneven), one;
+    # a prologue longer than a warp's tiles (three_k_tiles: one block per CTA, <= 1 tile per warp)
     (16, 8, 8, 2, 132),
     (32, 8, 16, 2, 264),
     (16, 32, 4, 2, 7),
     (32, 8, 4, 4, 1),
+    (16, 8, 8, 4, 132),
+    (16, 8, 8, 8, 7),
     # and every configuration a committed tuned table names (test_table_configurations_are_tested)
     (16, 8, 8, 2),
     (32, 8, 4, 2),
@@ -238,8 +241,30 @@ def test_dense_every_configuration(cfg, name: str, n: int, k: int) -> None:
         _assert_close(out, _ref(a, packed[0], sf[0], gs[0]), f"{name} {t} M={m}")
 
 
+PERSISTENT = [c for c in CONFIGS if len(c) == 5]
+
+
 @pytest.mark.sm90
-def test_rows_past_m_are_not_written_and_a_column_slice_is_read_in_place() -> None:
+@pytest.mark.parametrize("cfg", PERSISTENT, ids=[str(StreamTactic(*c)) for c in PERSISTENT])
+@pytest.mark.parametrize(("name", "n", "k"), SHAPES, ids=[s[0] for s in SHAPES])
+def test_persistent_grid_gives_the_bits_of_one_cta_per_block(cfg, name: str, n: int, k: int):
+    """Each warp sums its K tiles in the same order and the warps are summed in warp order
+    whichever CTA owns a row block: the persistent grid's output equals, bit for bit, the one
+    CTA per block launch of the same configuration."""
+    t, base = StreamTactic(*cfg), StreamTactic(*cfg[:4])
+    packed, sf, gs = _rand_weight(1, n, k)
+    wp = W.prepare_weight(packed, sf, gs)
+    for m in sorted({1, t.tokens}):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        got, want = _poison((m, n)), _poison((m, n))
+        G.linear(a, wp, out=got, tactic=t)
+        G.linear(a, wp, out=want, tactic=base)
+        assert torch.equal(got, want), f"{name} {t} M={m}: not the bits of {base}"
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("ctas", [0, 3])  # 3: 32 row blocks over 3 persistent CTAs
+def test_rows_past_m_are_not_written_and_a_column_slice_is_read_in_place(ctas: int) -> None:
     """M = 5 of an 8-token tile: the output rows around it stay untouched; `a` is a column slice
     of a wider tensor (row stride 2K)."""
     n, k = 512, 1024
@@ -248,17 +273,20 @@ def test_rows_past_m_are_not_written_and_a_column_slice_is_read_in_place() -> No
     wide = torch.randn(5, 2 * k, device="cuda", dtype=torch.bfloat16)
     a = wide[:, k:]
     buf = _poison((7, n))
-    G.linear(a, wp, out=buf[1:6], tactic=StreamTactic(16, 8, 8, 4))
+    G.linear(a, wp, out=buf[1:6], tactic=StreamTactic(16, 8, 8, 4, ctas))
     assert buf[0].isnan().all() and buf[6].isnan().all(), "rows outside the output were written"
     _assert_close(buf[1:6], _ref(a, packed[0], sf[0], gs[0]), "column slice M=5")
 
 
 @pytest.mark.sm90
-@pytest.mark.parametrize("ctas", [0, 5])  # 5: each group's 64 row blocks over 5 persistent CTAs
+@pytest.mark.parametrize(
+    ("ctas", "d"),  # 5: each group's 64 row blocks over 5 persistent CTAs; 100: one block each
+    [(0, 4096), (5, 4096), (100, 4096), (5, 192)],  # 192: 3 K tiles, warps without any
+)
 @pytest.mark.parametrize("m", [1, 4, 16])
-def test_grouped_token_major_views(m: int, ctas: int) -> None:
+def test_grouped_token_major_views(m: int, ctas: int, d: int) -> None:
     """wo_a as the model holds it: x [T, G, D] in, [T, G, R] out, as transposed views."""
-    g, r, d = 8, 1024, 4096
+    g, r = 8, 1024
     packed, sf, gs = _rand_weight(g, r, d)
     wp = W.prepare_weight(packed, sf, gs)
     x = torch.randn(m, g, d, device="cuda", dtype=torch.bfloat16)
