@@ -68,7 +68,6 @@ def test_configuration_limits_are_refused(cfg, msg) -> None:
     [
         ({"ctas": -1}, "ctas must be 0 .one CTA per row block. or 1..4096"),
         ({"ctas": stream.MAX_CTAS + 1}, "ctas must be 0"),
-        ({"moe": True, "ctas": 132}, "persistent grid .* is for dense / grouped"),
     ],
 )
 def test_persistent_limits_are_refused(kw, msg) -> None:
@@ -127,8 +126,6 @@ def test_moe_grid_limit_and_swiglu_are_refused() -> None:
     offs = torch.tensor([0, 2, 4], dtype=torch.int32)
     t = StreamTactic(16, 8, 8, 4)
     a = torch.randn(4, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="s16x8w8d4p132: the persistent grid is for dense"):
-        G.moe(a, offs, wp, tactic=StreamTactic(16, 8, 8, 4, 132))
     with pytest.raises(NotImplementedError, match="no SwiGLU"):
         G.moe(a, offs, wp, tactic=t, swiglu=True, swiglu_limit=10.0)
     wide = _cpu_weight(2048, 2048, groups=2)
@@ -317,11 +314,18 @@ def test_deterministic_and_graph_capturable(ctas: int) -> None:
     assert torch.equal(first, again) and torch.equal(first, out)
 
 
-MOE_CONFIGS = [(16, 8, 8, 4), (32, 8, 4, 4), (16, 16, 8, 2), (32, 32, 4, 2)]
+MOE_CONFIGS = [
+    (16, 8, 8, 4),
+    (32, 8, 4, 4),
+    (16, 16, 8, 2),
+    (32, 32, 4, 2),
+    (16, 8, 8, 2, 6),  # the persistent grid at N 256: 6 CTAs per expert tile, 16 blocks (3 / 2)
+    (32, 8, 4, 4, 3),  # 3 CTAs per expert tile, 8 blocks (3 / 2)
+]
 
 
 @pytest.mark.sm90
-@pytest.mark.parametrize("cfg", MOE_CONFIGS, ids=["r{}t{}w{}d{}".format(*c) for c in MOE_CONFIGS])
+@pytest.mark.parametrize("cfg", MOE_CONFIGS, ids=[str(StreamTactic(*c)) for c in MOE_CONFIGS])
 @pytest.mark.parametrize(
     "counts",
     [
@@ -336,6 +340,10 @@ def test_moe_offsets(cfg, counts: list[int]) -> None:
     out = _poison(ref.shape)
     G.moe(a, offs, wp, out=out, tactic=StreamTactic(*cfg))
     _assert_close(out, ref, f"moe {cfg} {counts}")
+    if len(cfg) == 5:  # the persistent grid: the bits of one CTA per row block
+        base = _poison(ref.shape)
+        G.moe(a, offs, wp, out=base, tactic=StreamTactic(*cfg[:4]))
+        assert torch.equal(out, base), f"moe {cfg} {counts}: not the bits of one CTA per block"
 
 
 @pytest.mark.sm90
@@ -360,5 +368,7 @@ def test_moe_flash_routed_shapes() -> None:
         counts = torch.bincount(ids.flatten(), minlength=256).tolist()
         wp, offs, a, ref = _moe_case(256, n, k, counts)
         out = _poison(ref.shape)
-        G.moe(a, offs, wp, out=out, tactic=StreamTactic(16, 8, 8, 4))
-        _assert_close(out, ref, f"routed {n}x{k}")
+        for t in (StreamTactic(16, 8, 8, 4), StreamTactic(16, 8, 8, 2, 16)):
+            out = _poison(ref.shape)
+            G.moe(a, offs, wp, out=out, tactic=t)
+            _assert_close(out, ref, f"routed {n}x{k} {t}")

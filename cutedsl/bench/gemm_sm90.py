@@ -666,16 +666,17 @@ def bench_swiglu(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget
 def stream_candidates(m: int, moe: bool = False, sms: int = 0, groups: int = 1) -> list:
     """The streaming decode configurations timed for M tokens (--impls stream): the narrowest
     token width that holds M (MoE: 8, an expert's rows at decode), each row block, 4 / 8 / 16
-    warps, 2 / 4 / 6 / 8 stages; with the GPU's SM count `sms` (dense / grouped), also the
-    persistent grid of sms and 2 sms CTAs in all (a grouped launch of `groups` groups: that over
-    groups per group) at 8 / 16 warps and 2 / 4 stages; where they fit shared memory."""
+    warps, 2 / 4 / 6 / 8 stages; with the GPU's SM count `sms`, also the persistent grid at 8 / 16
+    warps and 2 / 4 stages: sms and 2 sms CTAs in all (a grouped launch of `groups` groups: that
+    over groups per group), MoE 8 and 32 per expert tile; where they fit shared memory."""
     from cutedsl.sm90.kernels.stream import ROWS, TOKENS, Sm90Nvfp4StreamGemmKernel
 
     tokens = 8 if moe else min(t for t in TOKENS if t >= m)
     cfgs = [(r, tokens, w, d, 0) for r in ROWS for w in (4, 8, 16) for d in (2, 4, 6, 8)]
-    if sms and not moe:
+    if sms:
+        grids = (8, 32) if moe else (max(1, sms // groups), max(1, 2 * sms // groups))
         cfgs += [(r, tokens, w, d, p) for r in ROWS for w in (8, 16) for d in (2, 4)
-                 for p in (max(1, sms // groups), max(1, 2 * sms // groups))]  # fmt: skip
+                 for p in grids]  # fmt: skip
     return [StreamTactic(*c) for c in cfgs if Sm90Nvfp4StreamGemmKernel.config_error(*c) is None]
 
 

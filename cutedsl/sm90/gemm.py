@@ -116,8 +116,6 @@ def _launch_stream(
         raise ValueError(f"tactic {tactic}: {err}")
     m = a3.shape[1]
     moe = offs is not None
-    if moe and tactic.ctas:
-        raise ValueError(f"tactic {tactic}: the persistent grid is for dense / grouped launches")
     if moe:
         _check_moe_grid(m, wp.groups, tactic.tokens, "tokens")
     if moe and m * max(wp.k, wp.n) >= 2**31:  # the kernel's activation / output offsets: int32

@@ -40,8 +40,9 @@ one CTA barrier, thread u sums output (row u % 16, token (u // 16) % 8 of its bl
 in warp order (deterministic, the same bits on every run), scales by gs * 2^19 (DECODE_BIAS),
 rounds to bf16 and stores it; 16 consecutive threads write 32 contiguous bytes.
 
-Persistent mode (`ctas` > 0; dense / grouped only): the grid is (min(N / rows, ctas), 1, L) and
-CTA x owns the row blocks x, x + P, x + 2 P, ... (P = grid.x). Each warp's copy ring runs on across
+Persistent mode (`ctas` > 0): grid.x is min(N / rows, ctas) (MoE: per expert tile) and CTA x owns
+the row blocks x, x + P, x + 2 P, ... (P = grid.x) of its group (MoE: of its expert, for its tile's
+tokens). Each warp's copy ring runs on across
 its blocks: the K tiles of the next block are in flight while the CTA sums and stores the last one,
 so a CTA pays the ring's fill once, not once per block. Its fragments are parked in a separate
 region (two of them, alternating by block: one CTA barrier per block), not in the ring.
@@ -49,8 +50,8 @@ region (two of them, alternating by block: one CTA barrier per block), not in th
 Compile-time: rows (16 | 32: 16-row blocks per warp), tokens (8 | 16 | 32: n8 tiles), warps
 (1..16), depth (2..16: stages per warp ring), ctas (0: one CTA per row block; else the persistent
 grid's CTA bound, 1..MAX_CTAS) and moe. Runtime: M, N, K, L, strides, pointers, stream.
-Graph safety: no host sync; the grid is (N / rows, 1, L) (persistent: (min(N / rows, ctas), 1, L)),
-MoE (N / rows, min(E, T) + T // tokens, 1).
+Graph safety: no host sync; the grid is (N / rows, 1, L), MoE (N / rows, min(E, T) + T // tokens,
+1); persistent: N / rows -> min(N / rows, ctas).
 Constraints: N % rows == 0, K % 64 == 0; dense / grouped 1 <= M <= tokens.
 """
 
@@ -165,8 +166,6 @@ class Sm90Nvfp4StreamGemmKernel:
         err = self.config_error(rows, tokens, warps, depth, ctas)
         if err:
             raise ValueError(err)
-        if moe and ctas:
-            raise ValueError("the persistent grid (ctas > 0) is for dense / grouped launches")
         self.rows, self.tokens, self.warps, self.depth = rows, tokens, warps, depth
         self.moe, self.ctas = moe, ctas
         self.rb = rows // 16  # 16-row blocks per warp
@@ -282,10 +281,11 @@ class Sm90Nvfp4StreamGemmKernel:
             if has_tile:
                 tok0 = mOffs[grp] + m_tile * self.tokens
                 t_cnt = cutlass.min(mOffs[grp + 1] - tok0, self.tokens)
-        if cutlass.const_expr(self.ctas > 0):
-            self._persistent(mA, mW, mS, mGS, mC, storage, tidx, bidx, grp)
-        elif has_tile:
-            self._cta(mA, mW, mS, mGS, mC, storage, tidx, bidx, grp, act_l, tok0, t_cnt)
+        if has_tile:  # the same for every thread of the CTA (its barriers below)
+            if cutlass.const_expr(self.ctas > 0):
+                self._persistent(mA, mW, mS, mGS, mC, storage, tidx, bidx, grp, act_l, tok0, t_cnt)
+            else:
+                self._cta(mA, mW, mS, mGS, mC, storage, tidx, bidx, grp, act_l, tok0, t_cnt)
 
     def _addresses(self, mA, mW, mS, ring, lane, grp, act_l, n0, tok0, t_cnt):
         """This lane's copy sources at K tile 0 and its places in a ring stage, for weight rows
@@ -394,10 +394,10 @@ class Sm90Nvfp4StreamGemmKernel:
         self._sum_store(mGS, mC, ring0, self.warp_bytes, tidx, grp, act_l, n0, tok0, t_cnt)
 
     @cute.jit
-    def _persistent(self, mA, mW, mS, mGS, mC, storage, tidx, bidx, grp):
+    def _persistent(self, mA, mW, mS, mGS, mC, storage, tidx, bidx, grp, act_l, tok0, t_cnt):
         """Persistent mode (module docstring): row blocks bidx, bidx + P, ... (P = grid.x) of
-        group grp times every token of activation group grp, one copy stream per warp across
-        all of them."""
+        group grp times tokens [tok0, tok0 + t_cnt) of activation group act_l, one copy stream
+        per warp across all of them."""
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         ring0 = storage.ring.data_ptr().toint()
@@ -410,8 +410,8 @@ class Sm90Nvfp4StreamGemmKernel:
         p = cute.arch.grid_dim()[0]
         blocks = (cute.size(mW, mode=[0]) // self.rows - bidx + p - 1) // p  # bidx, bidx + p, ...
         total = blocks * mine  # this warp's tiles, block-major
-        t_cnt = cute.size(mA, mode=[0])
-        loads, a_ld = self._addresses(mA, mW, mS, ring, lane, grp, grp, bidx * self.rows, 0, t_cnt)
+        n0 = bidx * self.rows
+        loads, a_ld = self._addresses(mA, mW, mS, ring, lane, grp, act_l, n0, tok0, t_cnt)
         # byte offsets of the next block (p row blocks further) in the weights and the scales
         w_blk = Int64(cute.crd2idx((self.rows, 0, 0), mW.layout)) * Int64(p)
         s_blk = Int64(cute.crd2idx((self.rows, 0, 0), mS.layout)) * 4 * Int64(p)
@@ -447,9 +447,9 @@ class Sm90Nvfp4StreamGemmKernel:
             self._park(acc, park0 + (b % 2) * pair + warp * self.park_bytes, lane)
             acc.fill(0.0)
             cute.arch.barrier()
-            n0 = (bidx + b * p) * self.rows
+            n_b = (bidx + b * p) * self.rows
             self._sum_store(
-                mGS, mC, park0 + (b % 2) * pair, self.park_bytes, tidx, grp, grp, n0, 0, t_cnt
+                mGS, mC, park0 + (b % 2) * pair, self.park_bytes, tidx, grp, act_l, n_b, tok0, t_cnt
             )
         cute.arch.cp_async_wait_group(0)  # no copy outlives the CTA
 
@@ -564,8 +564,10 @@ def check_targets() -> list[KernelTarget]:
     variants = [(16, 8, 8, 8), (16, 16, 8, 4), (32, 8, 4, 4), (16, 32, 4, 2), (32, 16, 16, 2)]
     moe = [(16, 8, 8, 4), (32, 16, 4, 2)]  # + the expert-tile scan (warp shfl.up)
     persistent = [(16, 8, 8, 2, 264), (32, 8, 16, 4, 132), (32, 32, 4, 2, 132)]
+    moe_persistent = [(16, 8, 8, 2, 16)]
     cfgs = [(*c, m, 0) for m, cs in ((False, variants), (True, moe)) for c in cs]
     cfgs += [(r, t, w, d, False, p) for r, t, w, d, p in persistent]
+    cfgs += [(r, t, w, d, True, p) for r, t, w, d, p in moe_persistent]
     return [
         KernelTarget(
             name=f"sm90.stream_gemm.{'moe.' if m else ''}r{r}t{t}w{w}d{d}{f'p{p}' if p else ''}",
