@@ -4,6 +4,8 @@
 # time left, the tactic sweep on the Flash shapes. Results in $OUT: gpu_tests.xml, logs,
 # sm90_gemm.json/.md, sm90_gemm_sweep.*, device.txt, summary.txt.
 #   LIMIT=560 bash scripts/gpu/kernels.sh          (MODEL=flash: only the Flash shapes)
+# IMPLS / MS pick the bench's columns and Ms, e.g. the streaming decode kernel (its persistent grid
+# too) at decode: IMPLS=ours,stream,copy MS=1,4,16,32 BENCH_SHARE=100 bash scripts/gpu/kernels.sh
 # SWEEP_SHAPES / SWEEP_MS narrow the sweep, e.g. the routed experts at decode:
 #   SWEEP_SHAPES="routed_w13(E=256),routed_w2(E=256)" SWEEP_MS=64,16,256 bash scripts/gpu/kernels.sh
 # Needs no vLLM (the Marlin and DeepGEMM columns of the bench are then empty); PYTHON, OUT: env.sh.
@@ -19,7 +21,9 @@ step gpu_tests "${TEST_LIMIT:-260}" "$PYTHON" -m pytest -q -m "gpu or sm90" -p n
 tail -n 15 "$R/gpu_tests.log"
 left=$((LIMIT - SECONDS - 20))
 if [ $left -gt 60 ]; then
+    # shellcheck disable=SC2086
     step bench_gemm $((left + 10)) "$PYTHON" -m cutedsl.bench.gemm_sm90 --model "${MODEL:-all}" \
+        ${IMPLS:+--impls "$IMPLS"} ${MS:+--ms "$MS"} \
         --time-budget $((left * ${BENCH_SHARE:-70} / 100)) --json "$R/sm90_gemm.json" --md "$R/sm90_gemm.md"
     tail -n 2 "$R/bench_gemm.log"
 fi
