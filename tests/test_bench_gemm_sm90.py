@@ -254,6 +254,9 @@ def test_stream_columns_and_candidates(tmp_path):
         grid = [t for t in more if t.ctas]
         assert set(cands) <= set(more)
         assert {t.ctas for t in grid} == ({8, 32} if moe else {132, 264})
+        # with K, each persistent configuration also with one resident slot per K tile of a warp
+        res = [t for t in B.stream_candidates(m, moe, 132, 1, 1024) if t.res]
+        assert res and all(t.ctas and t.res == -(-16 // t.warps) for t in res)
         # a grouped launch of 8 groups (wo_a): the same CTAs in all, split over the groups
         assert moe or {t.ctas for t in B.stream_candidates(m, moe, 132, 8) if t.ctas} == {16, 33}
         assert all(
@@ -438,6 +441,10 @@ def test_rows_record_tactics_as_lists_and_sweep_keys_as_str():
     assert str(p) == "s32x8w16d2p264" and tactics.parse_tactic(str(p)) == p
     assert tactics.tactic_entry(p) == {"kernel": "stream", "tactic": [32, 8, 16, 2, 264]}
     assert tactics.table_tactic(tactics.tactic_entry(p), 8) == p
+    q = StreamTactic(32, 16, 8, 2, 132, 2)  # and resident activations: a sixth field
+    assert str(q) == "s32x16w8d2p132r2" and tactics.parse_tactic(str(q)) == q
+    assert tactics.tactic_entry(q) == {"kernel": "stream", "tactic": [32, 16, 8, 2, 132, 2]}
+    assert tactics.table_tactic(tactics.tactic_entry(q), 16) == q
     assert T.row_candidates({"tactic": "s32x8w16d2", "us": 3.0, "sweep_us": {"64x16x1": 4.0}}) == {
         "64x16x1": 4.0,
         "s32x8w16d2": 3.0,

@@ -40,7 +40,7 @@ def _builders() -> list[tuple[object, tuple]]:
     """(builder, one valid argument tuple) for every builder the runtime passes to jit.compiled."""
     return [
         (sm90_gemm._build, (128, 16, 1, True, True, 10.0)),
-        (sm90_gemm._build_stream, (16, 8, 8, 4, False, 132)),
+        (sm90_gemm._build_stream, (16, 8, 8, 4, False, 132, 2)),
         (routing._build, ("route",)),
         (swiglu._build, (10.0,)),
         (sm100_kernels.compile_gemm, (False, 10.0, 128)),

@@ -36,11 +36,13 @@ def test_variant_compiles_for_sm90a_with_mma_sync(target) -> None:
 
 def test_check_targets_cover_every_row_block_and_token_width() -> None:
     cfgs = {tuple(int(x) for x in t.name.split(".")[-1][1:].replace("t", " ").replace("w", " ")
-                  .replace("d", " ").replace("p", " ").split()) for t in TARGETS}  # fmt: skip
+                  .replace("d", " ").replace("p", " ").replace("r", " ").split())
+            for t in TARGETS}  # fmt: skip
     assert {r for r, *_ in cfgs} == set(stream.ROWS)
     assert {t for _, t, *_ in cfgs} == set(stream.TOKENS)
-    persistent = {c for c in cfgs if len(c) == 5}  # the persistent grid: each row block too
+    persistent = {c for c in cfgs if len(c) >= 5}  # the persistent grid: each row block too
     assert {r for r, *_ in persistent} == set(stream.ROWS)
+    assert any(len(c) == 6 for c in cfgs)  # and resident activations
     assert all("wgmma" in t.absent_patterns for t in TARGETS)
 
 
@@ -68,6 +70,8 @@ def test_configuration_limits_are_refused(cfg, msg) -> None:
     [
         ({"ctas": -1}, "ctas must be 0 .one CTA per row block. or 1..4096"),
         ({"ctas": stream.MAX_CTAS + 1}, "ctas must be 0"),
+        ({"res": 2}, "res > 0 .resident activations. needs the persistent grid"),
+        ({"ctas": 132, "res": stream.MAX_RES + 1}, "res must be 0 or 1..64"),
     ],
 )
 def test_persistent_limits_are_refused(kw, msg) -> None:
@@ -81,6 +85,11 @@ def test_persistent_park_regions_count_against_shared_memory() -> None:
     assert K.smem_bytes(16, 8, 14, 8, 132) - K.smem_bytes(16, 8, 14, 8) == 14 * 2 * 640
     with pytest.raises(ValueError, match="need 232960 B of shared memory"):
         K(16, 8, 14, 8, ctas=132)
+    # resident activations: the ring stages lose their activation rows, each warp gains res slots
+    assert K.stage_bytes(16, 16, res=1) == K.stage_bytes(16, 16) - 2 * stream.A_TILE
+    assert K.smem_bytes(16, 16, 16, 2, 132, 4) == 16 * (2 * 768 + 2 * 1280 + 4 * 2 * 1152)
+    with pytest.raises(ValueError, match="and 4 resident slots need 237568 B"):
+        K(16, 16, 16, 4, ctas=132, res=4)
 
 
 def test_ring_and_park_sizes() -> None:
@@ -121,6 +130,16 @@ def test_launch_refuses_before_compiling(m, n, tactic, err, msg) -> None:
         G.linear(a, wp, out=torch.empty(m, n, dtype=torch.bfloat16), tactic=tactic)
 
 
+def test_resident_slots_must_hold_every_k_tile_of_a_warp() -> None:
+    """K 1024 = 16 K tiles: 2 per warp of 8, which 1 resident slot cannot hold (on the host,
+    before any compile)."""
+    wp = _cpu_weight(256, 1024)
+    a = torch.randn(1, 1024, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="2 K tiles per warp, over its 1 resident activation"):
+        G.linear(a, wp, out=torch.empty(1, 256, dtype=torch.bfloat16),
+                 tactic=StreamTactic(16, 8, 8, 2, 132, 1))  # fmt: skip
+
+
 def test_moe_grid_limit_and_swiglu_are_refused() -> None:
     wp = _cpu_weight(128, 128, groups=2)
     offs = torch.tensor([0, 2, 4], dtype=torch.int32)
@@ -145,11 +164,19 @@ def test_stream_jobs_are_stable_and_distinct() -> None:
     ts = [StreamTactic(32, 8, 4, 4), StreamTactic(16, 8, 8, 4), StreamTactic(16, 8, 8, 4)]
     assert [j.args for j in G.stream_jobs(set(ts))] == [(16, 8, 8, 4, False), (32, 8, 4, 4, False)]
     assert [j.args for j in G.stream_jobs(ts[:1], moe=True)] == [(32, 8, 4, 4, True)]
-    # the persistent grid's bound is a keyword (absent at 0: the cache keys of one CTA per block)
-    jobs = G.stream_jobs([StreamTactic(16, 8, 8, 4, 132), StreamTactic(16, 8, 8, 4)])
+    # the persistent grid's bound and resident slots are keywords (absent at 0: the cache keys
+    # of one CTA per block)
+    jobs = G.stream_jobs(
+        [
+            StreamTactic(16, 8, 8, 4, 132, 2),
+            StreamTactic(16, 8, 8, 4, 132),
+            StreamTactic(16, 8, 8, 4),
+        ]
+    )
     assert [(j.args, j.kwargs) for j in jobs] == [
         ((16, 8, 8, 4, False), ()),
         ((16, 8, 8, 4, False), (("ctas", 132),)),
+        ((16, 8, 8, 4, False), (("ctas", 132), ("res", 2))),
     ]
 
 
@@ -239,6 +266,33 @@ def test_dense_every_configuration(cfg, name: str, n: int, k: int) -> None:
 
 
 PERSISTENT = [c for c in CONFIGS if len(c) == 5]
+# resident activations, each on shapes whose K tiles per warp its slots hold: (config, N, K)
+RESIDENT = [
+    ((16, 8, 8, 2, 132, 2), 32768, 1024),  # flash.wq_b: 2 K tiles per warp
+    ((32, 32, 8, 2, 132, 2), 32768, 1024),
+    ((16, 16, 16, 2, 132, 4), 1536, 4096),  # flash.fused_wqa_wkv: 4 per warp
+    ((16, 32, 8, 2, 7, 1), 256, 192),  # 3 K tiles: warps with 1 and with none
+    ((32, 8, 4, 4, 1, 4), 128, 64 * 13),  # one CTA, 13 K tiles over 4 warps (4 / 3)
+]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize(
+    ("cfg", "n", "k"), RESIDENT, ids=[str(StreamTactic(*c)) for c, *_ in RESIDENT]
+)
+def test_resident_activations(cfg, n: int, k: int) -> None:
+    """Against the fp32 reference, and bit for bit the same configuration streaming its
+    activations through the ring."""
+    t, ring = StreamTactic(*cfg), StreamTactic(*cfg[:5])
+    packed, sf, gs = _rand_weight(1, n, k)
+    wp = W.prepare_weight(packed, sf, gs)
+    for m in sorted({1, 3, t.tokens}):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        got, want = _poison((m, n)), _poison((m, n))
+        G.linear(a, wp, out=got, tactic=t)
+        G.linear(a, wp, out=want, tactic=ring)
+        _assert_close(got, _ref(a, packed[0], sf[0], gs[0]), f"{t} M={m}")
+        assert torch.equal(got, want), f"{t} M={m}: not the bits of {ring}"
 
 
 @pytest.mark.sm90
@@ -321,6 +375,7 @@ MOE_CONFIGS = [
     (32, 32, 4, 2),
     (16, 8, 8, 2, 6),  # the persistent grid at N 256: 6 CTAs per expert tile, 16 blocks (3 / 2)
     (32, 8, 4, 4, 3),  # 3 CTAs per expert tile, 8 blocks (3 / 2)
+    (16, 8, 8, 2, 6, 1),  # and resident activations (K 512: 1 K tile per warp)
 ]
 
 
@@ -340,7 +395,7 @@ def test_moe_offsets(cfg, counts: list[int]) -> None:
     out = _poison(ref.shape)
     G.moe(a, offs, wp, out=out, tactic=StreamTactic(*cfg))
     _assert_close(out, ref, f"moe {cfg} {counts}")
-    if len(cfg) == 5:  # the persistent grid: the bits of one CTA per row block
+    if len(cfg) >= 5:  # the persistent grid: the bits of one CTA per row block
         base = _poison(ref.shape)
         G.moe(a, offs, wp, out=base, tactic=StreamTactic(*cfg[:4]))
         assert torch.equal(out, base), f"moe {cfg} {counts}: not the bits of one CTA per block"

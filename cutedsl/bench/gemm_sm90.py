@@ -663,20 +663,24 @@ def bench_swiglu(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget
     torch.cuda.empty_cache()
 
 
-def stream_candidates(m: int, moe: bool = False, sms: int = 0, groups: int = 1) -> list:
-    """The streaming decode configurations timed for M tokens (--impls stream): the narrowest
-    token width that holds M (MoE: 8, an expert's rows at decode), each row block, 4 / 8 / 16
-    warps, 2 / 4 / 6 / 8 stages; with the GPU's SM count `sms`, also the persistent grid at 8 / 16
-    warps and 2 / 4 stages: sms and 2 sms CTAs in all (a grouped launch of `groups` groups: that
-    over groups per group), MoE 8 and 32 per expert tile; where they fit shared memory."""
+def stream_candidates(m: int, moe: bool = False, sms: int = 0, groups: int = 1, k: int = 0) -> list:
+    """The streaming decode configurations timed for M tokens (--impls stream), in this order
+    (a time budget cuts the last): the narrowest token width that holds M (MoE: 8, an expert's
+    rows at decode) and each row block throughout; with the GPU's SM count `sms`, first the
+    persistent grid at 8 / 16 warps and 2 stages, sms and 2 sms CTAs in all (a grouped launch of
+    `groups` groups: that over groups per group; MoE: 8 and 32 per expert tile), each also with
+    resident activations when K (`k`) is given (one slot per K tile of the busiest warp); then
+    one CTA per row block at 4 / 8 / 16 warps and 2 / 4 stages; where they fit shared memory."""
     from cutedsl.sm90.kernels.stream import ROWS, TOKENS, Sm90Nvfp4StreamGemmKernel
 
     tokens = 8 if moe else min(t for t in TOKENS if t >= m)
-    cfgs = [(r, tokens, w, d, 0) for r in ROWS for w in (4, 8, 16) for d in (2, 4, 6, 8)]
+    cfgs = []
     if sms:
         grids = (8, 32) if moe else (max(1, sms // groups), max(1, 2 * sms // groups))
-        cfgs += [(r, tokens, w, d, p) for r in ROWS for w in (8, 16) for d in (2, 4)
-                 for p in grids]  # fmt: skip
+        cfgs += [(r, tokens, w, 2, p) for r in ROWS for w in (8, 16) for p in grids]
+        if k:
+            cfgs += [(*c, -(-(k // 64) // c[2])) for c in cfgs]
+    cfgs += [(r, tokens, w, d) for r in ROWS for w in (4, 8, 16) for d in (2, 4)]
     return [StreamTactic(*c) for c in cfgs if Sm90Nvfp4StreamGemmKernel.config_error(*c) is None]
 
 
@@ -701,7 +705,7 @@ def bench_stream(shape: Shape, ms: list[int], rows_by_m: dict[int, dict], budget
         wps = [random_prepared_weight(g, n, k) for _ in range(n_copies)]
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         per = g if shape.kind == "grouped" else 1
-        cands = {m: stream_candidates(m, moe, sms, per) for m in todo}
+        cands = {m: stream_candidates(m, moe, sms, per, k) for m in todo}
         jit.prefetch(gemm.stream_jobs({t for ts in cands.values() for t in ts}, moe))
     except Exception as e:  # noqa: BLE001 - one implementation failing never stops the run
         _set(rows_by_m, todo, "stream_error", _err(e))

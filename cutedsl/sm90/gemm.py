@@ -78,17 +78,21 @@ def _build_stream(
     depth: int,
     moe: bool = False,
     ctas: int = 0,
+    res: int = 0,
     no_jit_engine: bool = False,
 ) -> object:
     from cutedsl.sm90.kernels.stream import compile_kernel
 
-    return compile_kernel(rows, tokens, warps, depth, moe, ctas=ctas, no_jit_engine=no_jit_engine)
+    return compile_kernel(
+        rows, tokens, warps, depth, moe, ctas=ctas, res=res, no_jit_engine=no_jit_engine
+    )
 
 
 def _stream_kwargs(t: StreamTactic) -> dict:
     """The build's keyword arguments of a streaming configuration: none for one CTA per row
-    block (so its cache key has none), the persistent grid's bound otherwise."""
-    return {"ctas": t.ctas} if t.ctas else {}
+    block (so its cache key has none), the persistent grid's bound and resident slots
+    otherwise (each only when set)."""
+    return {k: v for k, v in (("ctas", t.ctas), ("res", t.res)) if v}
 
 
 def stream_jobs(tactics: Iterable[StreamTactic], moe: bool = False) -> list[jit.Job]:
@@ -111,9 +115,17 @@ def _launch_stream(
     """Check a StreamTactic against the launch, then run it."""
     from cutedsl.sm90.kernels.stream import Sm90Nvfp4StreamGemmKernel as K
 
-    err = K.config_error(tactic.rows, tactic.tokens, tactic.warps, tactic.depth, tactic.ctas)
+    err = K.config_error(
+        tactic.rows, tactic.tokens, tactic.warps, tactic.depth, tactic.ctas, tactic.res
+    )
     if err:
         raise ValueError(f"tactic {tactic}: {err}")
+    per_warp = -(-(wp.k // 64) // tactic.warps)  # K tiles of the busiest warp
+    if tactic.res and per_warp > tactic.res:
+        raise ValueError(
+            f"tactic {tactic}: K = {wp.k} gives {per_warp} K tiles per warp, "
+            f"over its {tactic.res} resident activation slots"
+        )
     m = a3.shape[1]
     moe = offs is not None
     if moe:

@@ -47,7 +47,9 @@ class StreamTactic:
     (16 | 32) weight rows per warp and CTA, up to `tokens` (8 | 16 | 32) tokens, K split over
     `warps` warps, a `depth`-stage copy ring per warp. Dense / grouped launches of at most
     `tokens` rows, MoE launches in tiles of `tokens` rows per expert; `ctas` > 0: the persistent
-    grid of at most that many CTAs, each streaming several row blocks (dense / grouped only).
+    grid of at most that many CTAs per group (MoE: per expert tile), each streaming several row
+    blocks; `res` > 0 (persistent only): each warp keeps its K tiles' activations resident, in
+    `res` slots (launches of at most `res` K tiles per warp).
     Taken where a tuned table names it (dense / grouped) or when forced (`gemm.linear / grouped /
     moe(..., tactic=...)`)."""
 
@@ -56,9 +58,11 @@ class StreamTactic:
     warps: int
     depth: int
     ctas: int = 0
+    res: int = 0
 
     def __str__(self) -> str:
         grid = f"p{self.ctas}" if self.ctas else ""
+        grid += f"r{self.res}" if self.res else ""
         return f"s{self.rows}x{self.tokens}w{self.warps}d{self.depth}{grid}"
 
 
@@ -92,22 +96,25 @@ TableRows = list[tuple[int, AnyTactic]]
 
 
 def parse_tactic(name: str) -> AnyTactic:
-    """The tactic of its `str`: "64x16x4" (Tactic), "s32x8w16d2" or "s32x8w16d2p264"
-    (StreamTactic)."""
+    """The tactic of its `str`: "64x16x4" (Tactic), "s32x8w16d2", "s32x8w16d2p264" or
+    "s32x16w8d2p132r2" (StreamTactic)."""
     if name.startswith("s"):
         rows, rest = name[1:].split("x")
         tokens, rest = rest.split("w")
         warps, rest = rest.split("d")
-        depth, _, ctas = rest.partition("p")
-        return StreamTactic(int(rows), int(tokens), int(warps), int(depth), int(ctas or 0))
+        depth, _, rest = rest.partition("p")
+        ctas, _, res = rest.partition("r")
+        return StreamTactic(
+            int(rows), int(tokens), int(warps), int(depth), int(ctas or 0), int(res or 0)
+        )
     return Tactic(*(int(x) for x in name.split("x")))
 
 
 def tactic_entry(t: AnyTactic) -> dict:
     """The tuned-table fields of a tactic (what `table_tactic` reads back)."""
     fields = list(dataclasses.astuple(t))
-    if isinstance(t, StreamTactic) and not t.ctas:
-        fields = fields[:4]  # [rows, tokens, warps, depth]; the persistent grid adds ctas
+    if isinstance(t, StreamTactic):  # [rows, tokens, warps, depth(, ctas(, res))]
+        fields = fields[: 6 if t.res else 5 if t.ctas else 4]
     return (
         {"kernel": "stream", "tactic": fields}
         if isinstance(t, StreamTactic)
@@ -117,8 +124,8 @@ def tactic_entry(t: AnyTactic) -> dict:
 
 def table_tactic(entry: dict, m: int) -> AnyTactic:
     """The tactic of one tuned-table entry for M = m: {"tactic": [tile_n, tile_m, split_k]}, or
-    {"kernel": "stream", "tactic": [rows, tokens, warps, depth(, ctas)]} holding at least m
-    tokens."""
+    {"kernel": "stream", "tactic": [rows, tokens, warps, depth(, ctas(, res))]} holding at
+    least m tokens."""
     if entry.get("kernel", "tiled") == "stream":
         t = StreamTactic(*entry["tactic"])
         if t.tokens < m:

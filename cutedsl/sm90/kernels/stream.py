@@ -46,10 +46,15 @@ tokens). Each warp's copy ring runs on across
 its blocks: the K tiles of the next block are in flight while the CTA sums and stores the last one,
 so a CTA pays the ring's fill once, not once per block. Its fragments are parked in a separate
 region (two of them, alternating by block: one CTA barrier per block), not in the ring.
+Resident activations (`res` > 0, persistent only): a warp's K tiles are the same in every block,
+so it copies their activation chunks once, into `res` slots of its own (one copy group ahead of
+the ring), and its ring stages carry only weights and scales; a launch needs
+ceil(K / 64 / warps) <= res.
 
 Compile-time: rows (16 | 32: 16-row blocks per warp), tokens (8 | 16 | 32: n8 tiles), warps
 (1..16), depth (2..16: stages per warp ring), ctas (0: one CTA per row block; else the persistent
-grid's CTA bound, 1..MAX_CTAS) and moe. Runtime: M, N, K, L, strides, pointers, stream.
+grid's CTA bound, 1..MAX_CTAS), res (0, or resident activation slots per warp, 1..MAX_RES) and
+moe. Runtime: M, N, K, L, strides, pointers, stream.
 Graph safety: no host sync; the grid is (N / rows, 1, L), MoE (N / rows, min(E, T) + T // tokens,
 1); persistent: N / rows -> min(N / rows, ctas).
 Constraints: N % rows == 0, K % 64 == 0; dense / grouped 1 <= M <= tokens.
@@ -85,6 +90,7 @@ TOKENS = (8, 16, 32)
 MAX_WARPS = 16
 MAX_DEPTH = 16
 MAX_CTAS = 4096
+MAX_RES = 64
 
 
 # ------------------------------------------------------------------------------ PTX helpers
@@ -162,24 +168,27 @@ class Sm90Nvfp4StreamGemmKernel:
         depth: int = 4,
         moe: bool = False,
         ctas: int = 0,
+        res: int = 0,
     ):
-        err = self.config_error(rows, tokens, warps, depth, ctas)
+        err = self.config_error(rows, tokens, warps, depth, ctas, res)
         if err:
             raise ValueError(err)
         self.rows, self.tokens, self.warps, self.depth = rows, tokens, warps, depth
-        self.moe, self.ctas = moe, ctas
+        self.moe, self.ctas, self.res = moe, ctas, res
         self.rb = rows // 16  # 16-row blocks per warp
         self.nt = tokens // 8  # n8 token tiles
         self.threads = 32 * warps
-        self.warp_bytes = self.region_bytes(rows, tokens, depth, ctas)
+        self.warp_bytes = self.region_bytes(rows, tokens, depth, ctas, res)
         self.park_bytes = self.park_region_bytes(rows, tokens) if ctas else 0
+        self.res_bytes = res * self.nt * A_TILE  # one warp's resident activations
 
     @staticmethod
-    def stage_bytes(rows: int, tokens: int) -> int:
+    def stage_bytes(rows: int, tokens: int, res: int = 0) -> int:
         """One ring stage of one warp: per lane, the 8 weight bytes and the scale word of each of
         its rows / 8 rows (item-major: lane-contiguous items, so each item's shared load is
-        conflict-free), then per n8 token tile its 8 activation rows of 64 k (A_ROW apart)."""
-        return (rows // 8) * 32 * (8 + 4) + (tokens // 8) * A_TILE
+        conflict-free), then per n8 token tile its 8 activation rows of 64 k (A_ROW apart; not
+        with resident activations, `res` > 0)."""
+        return (rows // 8) * 32 * (8 + 4) + (0 if res else (tokens // 8) * A_TILE)
 
     @staticmethod
     def park_region_bytes(rows: int, tokens: int) -> int:
@@ -187,24 +196,30 @@ class Sm90Nvfp4StreamGemmKernel:
         return (rows // 16) * (tokens // 8) * BLOCK * 4
 
     @staticmethod
-    def region_bytes(rows: int, tokens: int, depth: int, ctas: int = 0) -> int:
+    def region_bytes(rows: int, tokens: int, depth: int, ctas: int = 0, res: int = 0) -> int:
         """One warp's ring; one CTA's parked fragments reuse the rings afterwards, except in
         persistent mode (`ctas` > 0), where the rings never stop."""
-        ring = depth * Sm90Nvfp4StreamGemmKernel.stage_bytes(rows, tokens)
+        ring = depth * Sm90Nvfp4StreamGemmKernel.stage_bytes(rows, tokens, res)
         return (
             ring if ctas else max(ring, Sm90Nvfp4StreamGemmKernel.park_region_bytes(rows, tokens))
         )
 
     @staticmethod
-    def smem_bytes(rows: int, tokens: int, warps: int, depth: int, ctas: int = 0) -> int:
+    def smem_bytes(
+        rows: int, tokens: int, warps: int, depth: int, ctas: int = 0, res: int = 0
+    ) -> int:
         """A CTA's dynamic shared memory: the warps' rings (persistent: and two park regions
-        per warp)."""
+        per warp; resident activations: and `res` slots of activations per warp)."""
         K = Sm90Nvfp4StreamGemmKernel
         park = 2 * K.park_region_bytes(rows, tokens) if ctas else 0
-        return warps * (K.region_bytes(rows, tokens, depth, ctas) + park)
+        return warps * (
+            K.region_bytes(rows, tokens, depth, ctas, res) + park + res * (tokens // 8) * A_TILE
+        )
 
     @staticmethod
-    def config_error(rows: int, tokens: int, warps: int, depth: int, ctas: int = 0) -> str | None:
+    def config_error(
+        rows: int, tokens: int, warps: int, depth: int, ctas: int = 0, res: int = 0
+    ) -> str | None:
         """Why the kernel refuses this configuration (None if it takes it)."""
         if rows not in ROWS:
             return f"rows must be one of {ROWS}, got {rows}"
@@ -216,9 +231,14 @@ class Sm90Nvfp4StreamGemmKernel:
             return f"depth must be 2..{MAX_DEPTH}, got {depth}"
         if not 0 <= ctas <= MAX_CTAS:
             return f"ctas must be 0 (one CTA per row block) or 1..{MAX_CTAS}, got {ctas}"
-        need = Sm90Nvfp4StreamGemmKernel.smem_bytes(rows, tokens, warps, depth, ctas)
+        if not 0 <= res <= MAX_RES:
+            return f"res must be 0 or 1..{MAX_RES} resident activation slots per warp, got {res}"
+        if res and not ctas:
+            return "res > 0 (resident activations) needs the persistent grid (ctas > 0)"
+        need = Sm90Nvfp4StreamGemmKernel.smem_bytes(rows, tokens, warps, depth, ctas, res)
         if need > SMEM_CAPACITY:
-            return f"{warps} warps x {depth} stages need {need} B of shared memory"
+            slots = f" and {res} resident slots" if res else ""
+            return f"{warps} warps x {depth} stages{slots} need {need} B of shared memory"
         return None
 
     @staticmethod
@@ -246,6 +266,9 @@ class Sm90Nvfp4StreamGemmKernel:
             ]
             park: cute.struct.Align[  # persistent mode: two regions per warp
                 cute.struct.MemRange[cutlass.Uint8, max(16, 2 * self.warps * self.park_bytes)], 16
+            ]
+            acts: cute.struct.Align[  # resident activations: res slots per warp
+                cute.struct.MemRange[cutlass.Uint8, max(16, self.warps * self.res_bytes)], 16
             ]
             sched: cute.struct.MemRange[cutlass.Int32, self.warps + 2]  # `moe_tile`
 
@@ -287,10 +310,11 @@ class Sm90Nvfp4StreamGemmKernel:
             else:
                 self._cta(mA, mW, mS, mGS, mC, storage, tidx, bidx, grp, act_l, tok0, t_cnt)
 
-    def _addresses(self, mA, mW, mS, ring, lane, grp, act_l, n0, tok0, t_cnt):
+    def _addresses(self, mA, mW, mS, ring, lane, grp, act_l, n0, tok0, t_cnt, acts=None):
         """This lane's copy sources at K tile 0 and its places in a ring stage, for weight rows
         [n0, n0 + rows) of group grp and tokens [tok0, tok0 + t_cnt) of activation group act_l:
-        (the `_issue` operands, the ldmatrix row address)."""
+        (the `_issue` operands, the ldmatrix row address). `acts`: the warp's resident
+        activation slots (their slot 0) instead of the ring stage's activation rows."""
         g, c = lane // 4, lane % 4  # the lane's row (and token) in its quad's 8; its K pair
         # Global byte addresses at K tile 0: a tile adds 32 weight bytes, one scale row (s_step)
         # and 128 activation bytes. Token 8 t + g is clamped to the last token.
@@ -314,9 +338,10 @@ class Sm90Nvfp4StreamGemmKernel:
         nw = 2 * self.rb
         w_dst = ring + lane * 8
         s_dst = ring + nw * 256 + lane * 4
-        a_dst = ring + nw * 384 + g * A_ROW + c * 16
-        a_ld = ring + nw * 384 + (lane % 8) * A_ROW + (lane // 8) * 16
-        stage = self.stage_bytes(self.rows, self.tokens)
+        a0 = ring + nw * 384 if acts is None else acts
+        a_dst = a0 + g * A_ROW + c * 16
+        a_ld = a0 + (lane % 8) * A_ROW + (lane // 8) * 16
+        stage = self.stage_bytes(self.rows, self.tokens, self.res)
         return (w_src, s_src, a_src, a_len, s_step, w_dst, s_dst, a_dst, stage), a_ld
 
     def _park(self, acc, base, lane):
@@ -411,7 +436,10 @@ class Sm90Nvfp4StreamGemmKernel:
         blocks = (cute.size(mW, mode=[0]) // self.rows - bidx + p - 1) // p  # bidx, bidx + p, ...
         total = blocks * mine  # this warp's tiles, block-major
         n0 = bidx * self.rows
-        loads, a_ld = self._addresses(mA, mW, mS, ring, lane, grp, act_l, n0, tok0, t_cnt)
+        acts = None
+        if cutlass.const_expr(self.res > 0):
+            acts = storage.acts.data_ptr().toint() + warp * self.res_bytes
+        loads, a_ld = self._addresses(mA, mW, mS, ring, lane, grp, act_l, n0, tok0, t_cnt, acts)
         # byte offsets of the next block (p row blocks further) in the weights and the scales
         w_blk = Int64(cute.crd2idx((self.rows, 0, 0), mW.layout)) * Int64(p)
         s_blk = Int64(cute.crd2idx((self.rows, 0, 0), mS.layout)) * 4 * Int64(p)
@@ -421,6 +449,10 @@ class Sm90Nvfp4StreamGemmKernel:
         # the copy pointer: flat tile fi = jb * mine + it of this warp; it stays at the last
         # tile once there (copies past the end refill a freed stage with it, never read)
         fi, jb, it = Int32(0), Int32(0), Int32(0)
+        if cutlass.const_expr(self.res > 0):  # this warp's activations, once: the oldest group
+            for j in cutlass.range(mine, unroll=1):
+                self._issue_acts(warp + self.warps * j, j * (self.nt * A_TILE), loads)
+            cute.arch.cp_async_commit_group()
         for i in cutlass.range_constexpr(self.depth - 1):
             if i < total:
                 self._issue(
@@ -430,7 +462,7 @@ class Sm90Nvfp4StreamGemmKernel:
             fi, jb, it = self._advance(fi, jb, it, total, mine)
         f = Int32(0)  # the tile multiplied next, flat
         for b in cutlass.range(blocks, unroll=1):
-            for _ in cutlass.range(mine, unroll=1):
+            for ic in cutlass.range(mine, unroll=1):
                 cute.arch.sync_warp()  # the stage refilled below (tile f - 1's) is read out
                 slot = (f + self.depth - 1) % self.depth
                 self._issue(
@@ -440,7 +472,10 @@ class Sm90Nvfp4StreamGemmKernel:
                 fi, jb, it = self._advance(fi, jb, it, total, mine)
                 cute.arch.cp_async_wait_group(self.depth - 1)
                 cute.arch.sync_warp()
-                self._tile(acc, (f % self.depth) * stage_of(loads), ring, a_ld, lane)
+                a_off = None
+                if cutlass.const_expr(self.res > 0):
+                    a_off = ic * (self.nt * A_TILE)  # resident slot ic: K tile w + warps * ic
+                self._tile(acc, (f % self.depth) * stage_of(loads), ring, a_ld, lane, a_off)
                 f = f + 1
             # block b done: park (regions alternate by block, so one barrier per block orders
             # this park after every thread's sums of block b - 2 from the same region)
@@ -477,14 +512,24 @@ class Sm90Nvfp4StreamGemmKernel:
         for i in cutlass.range_constexpr(2 * self.rb):
             cp_async(w_dst + off + i * 256, w_src[i] + w_off, 8)
             cp_async(s_dst + off + i * 128, s_src[i] + s_off, 4)
+        if cutlass.const_expr(self.res == 0):  # (resident: `_issue_acts`, once)
+            self._issue_acts(kt, off, loads)
+
+    @cute.jit
+    def _issue_acts(self, kt, off, loads):
+        """Copy this lane's activation chunks of K tile kt to byte `off` past its activation
+        places (a ring stage's, or a resident slot's)."""
+        w_src, s_src, a_src, a_len, s_step, w_dst, s_dst, a_dst, stage = loads
+        kt64 = Int64(kt)
         for t in cutlass.range_constexpr(self.nt):
             for h in cutlass.range_constexpr(2):  # k 8 c .. 8 c + 7, then 32 more
                 src = a_src[t] + kt64 * 128 + 64 * h
                 cp_async_16_zfill(a_dst + off + t * A_TILE + h * 64, src, a_len[t])
 
     @cute.jit
-    def _tile(self, acc, off, ring, a_ld, lane):
-        """The MMAs of the K tile in the ring stage at byte `off` of the warp's ring: 4 k16 steps
+    def _tile(self, acc, off, ring, a_ld, lane, a_off=None):
+        """The MMAs of the K tile in the ring stage at byte `off` of the warp's ring (its
+        activations at `a_off` past the activation places when given: a resident slot): 4 k16 steps
         x rows/16 blocks x tokens/8 tiles. Word q of a row holds the pairs of K blocks 2q (pairs
         0, 1: k 2c, 2c + 8) and 2q + 1 (pairs 2, 3); rows g (h = 0) and g + 8 (h = 1) of block r.
         Activation word j of token tile t (k 8 j + 2 c, token g) comes from ldmatrix j // 4."""
@@ -492,10 +537,11 @@ class Sm90Nvfp4StreamGemmKernel:
         base = ring + off
         bw = [du.ld_shared_v2_b32(base + i * 256 + lane * 8) for i in range(nw)]
         bs = [du.ld_shared_b32(base + nw * 256 + i * 128 + lane * 4) for i in range(nw)]
+        a_at = a_ld + (off if a_off is None else a_off)
         ba = []
         for t in cutlass.range_constexpr(self.nt):
             for h in cutlass.range_constexpr(2):
-                ba.extend(ldmatrix_x4(a_ld + off + t * A_TILE + h * 64))
+                ba.extend(ldmatrix_x4(a_at + t * A_TILE + h * 64))
         for r in cutlass.range_constexpr(self.rb):
             pairs = []  # [h][q] -> 4 decoded bf16x2 words
             for h in cutlass.range_constexpr(2):
@@ -524,11 +570,12 @@ def compile_kernel(
     moe: bool = False,
     *,
     ctas: int = 0,
+    res: int = 0,
     no_jit_engine: bool = False,
 ) -> object:
     """cute.compile one configuration from fake tensors (the tiled kernel's operands: TVM-FFI,
     env stream); `no_jit_engine` compiles without loading (no GPU needed)."""
-    kernel = Sm90Nvfp4StreamGemmKernel(rows, tokens, warps, depth, moe, ctas)
+    kernel = Sm90Nvfp4StreamGemmKernel(rows, tokens, warps, depth, moe, ctas, res)
     kw = {"no_jit_engine": True} if no_jit_engine else {}
     return cute.compile(kernel, *fake_operands(moe), options="--enable-tvm-ffi", **kw)
 
@@ -563,21 +610,23 @@ def check_targets() -> list[KernelTarget]:
     )
     variants = [(16, 8, 8, 8), (16, 16, 8, 4), (32, 8, 4, 4), (16, 32, 4, 2), (32, 16, 16, 2)]
     moe = [(16, 8, 8, 4), (32, 16, 4, 2)]  # + the expert-tile scan (warp shfl.up)
-    persistent = [(16, 8, 8, 2, 264), (32, 8, 16, 4, 132), (32, 32, 4, 2, 132)]
-    moe_persistent = [(16, 8, 8, 2, 16)]
-    cfgs = [(*c, m, 0) for m, cs in ((False, variants), (True, moe)) for c in cs]
-    cfgs += [(r, t, w, d, False, p) for r, t, w, d, p in persistent]
-    cfgs += [(r, t, w, d, True, p) for r, t, w, d, p in moe_persistent]
+    persistent = [(16, 8, 8, 2, 264, 0), (32, 8, 16, 4, 132, 0), (32, 32, 4, 2, 132, 0)]
+    persistent += [(32, 32, 8, 2, 132, 2), (16, 16, 16, 2, 132, 4)]  # resident activations
+    moe_persistent = [(16, 8, 8, 2, 16, 0), (16, 8, 8, 2, 16, 8)]
+    cfgs = [(*c, m, 0, 0) for m, cs in ((False, variants), (True, moe)) for c in cs]
+    cfgs += [(r, t, w, d, False, p, q) for r, t, w, d, p, q in persistent]
+    cfgs += [(r, t, w, d, True, p, q) for r, t, w, d, p, q in moe_persistent]
     return [
         KernelTarget(
-            name=f"sm90.stream_gemm.{'moe.' if m else ''}r{r}t{t}w{w}d{d}{f'p{p}' if p else ''}",
+            name=f"sm90.stream_gemm.{'moe.' if m else ''}r{r}t{t}w{w}d{d}"
+            f"{f'p{p}' if p else ''}{f'r{q}' if q else ''}",
             arch="sm_90a",
-            compile=lambda r=r, t=t, w=w, d=d, m=m, p=p: compile_kernel(
-                r, t, w, d, m, ctas=p, no_jit_engine=True
+            compile=lambda r=r, t=t, w=w, d=d, m=m, p=p, q=q: compile_kernel(
+                r, t, w, d, m, ctas=p, res=q, no_jit_engine=True
             ),
             ptx_patterns=(*ptx, r"shfl\.sync\.up\.b32") if m else ptx,
             sass_patterns=sass,
             absent_patterns=(r"wgmma", r"cp\.async\.bulk"),
         )
-        for r, t, w, d, m, p in cfgs
+        for r, t, w, d, m, p, q in cfgs
     ]
