@@ -270,7 +270,7 @@ PERSISTENT = [c for c in CONFIGS if len(c) == 5]
 RESIDENT = [
     ((16, 8, 8, 2, 132, 2), 32768, 1024),  # flash.wq_b: 2 K tiles per warp
     ((32, 32, 8, 2, 132, 2), 32768, 1024),
-    ((16, 16, 16, 2, 132, 4), 1536, 4096),  # flash.fused_wqa_wkv: 4 per warp
+    ((16, 16, 16, 2, 33, 4), 1536, 4096),  # flash.fused_wqa_wkv: 4 per warp, 96 blocks on 33
     ((16, 32, 8, 2, 7, 1), 256, 192),  # 3 K tiles: warps with 1 and with none
     ((32, 8, 4, 4, 1, 4), 128, 64 * 13),  # one CTA, 13 K tiles over 4 warps (4 / 3)
 ]
@@ -286,7 +286,7 @@ def test_resident_activations(cfg, n: int, k: int) -> None:
     t, ring = StreamTactic(*cfg), StreamTactic(*cfg[:5])
     packed, sf, gs = _rand_weight(1, n, k)
     wp = W.prepare_weight(packed, sf, gs)
-    for m in sorted({1, 3, t.tokens}):
+    for m in sorted({1, 3, t.tokens - 5, t.tokens}):  # a later token tile partly filled too
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         got, want = _poison((m, n)), _poison((m, n))
         G.linear(a, wp, out=got, tactic=t)
@@ -331,32 +331,32 @@ def test_rows_past_m_are_not_written_and_a_column_slice_is_read_in_place(ctas: i
 
 @pytest.mark.sm90
 @pytest.mark.parametrize(
-    ("ctas", "d"),  # 5: each group's 64 row blocks over 5 persistent CTAs; 100: one block each
-    [(0, 4096), (5, 4096), (100, 4096), (5, 192)],  # 192: 3 K tiles, warps without any
+    ("ctas", "d", "res"),  # 5: each group's 64 row blocks over 5 persistent CTAs; 100: one each
+    [(0, 4096, 0), (5, 4096, 0), (100, 4096, 0), (5, 192, 0), (5, 4096, 8)],  # 192: 3 K tiles
 )
 @pytest.mark.parametrize("m", [1, 4, 16])
-def test_grouped_token_major_views(m: int, ctas: int, d: int) -> None:
+def test_grouped_token_major_views(m: int, ctas: int, d: int, res: int) -> None:
     """wo_a as the model holds it: x [T, G, D] in, [T, G, R] out, as transposed views."""
     g, r = 8, 1024
     packed, sf, gs = _rand_weight(g, r, d)
     wp = W.prepare_weight(packed, sf, gs)
     x = torch.randn(m, g, d, device="cuda", dtype=torch.bfloat16)
     out = _poison((m, g, r))
-    t = StreamTactic(16, 16, 8, 4, ctas)
+    t = StreamTactic(16, 16, 8, 4, ctas, res)
     G.grouped(x.transpose(0, 1), wp, out=out.transpose(0, 1), tactic=t)
     ref = torch.stack([_ref(x[:, i], packed[i], sf[i], gs[i]) for i in range(g)], dim=1)
     _assert_close(out, ref, f"grouped token-major M={m} {t}")
 
 
 @pytest.mark.sm90
-@pytest.mark.parametrize("ctas", [0, 132])
-def test_deterministic_and_graph_capturable(ctas: int) -> None:
+@pytest.mark.parametrize(("ctas", "res"), [(0, 0), (132, 0), (132, 8)])
+def test_deterministic_and_graph_capturable(ctas: int, res: int) -> None:
     """The same bits on every run, eagerly and replayed from a CUDA graph."""
     n, k, m = 4096, 8192, 4
     packed, sf, gs = _rand_weight(1, n, k)
     wp = W.prepare_weight(packed, sf, gs)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    t = StreamTactic(16, 8, 16, 4, ctas)
+    t = StreamTactic(16, 8, 16, 4, ctas, res)
     first = G.linear(a, wp, tactic=t)
     again = G.linear(a, wp, tactic=t)
     out = _poison((m, n))
@@ -375,7 +375,9 @@ MOE_CONFIGS = [
     (32, 32, 4, 2),
     (16, 8, 8, 2, 6),  # the persistent grid at N 256: 6 CTAs per expert tile, 16 blocks (3 / 2)
     (32, 8, 4, 4, 3),  # 3 CTAs per expert tile, 8 blocks (3 / 2)
-    (16, 8, 8, 2, 6, 1),  # and resident activations (K 512: 1 K tile per warp)
+    (16, 8, 8, 2, 6, 1),  # and resident activations (K 512: 1 K tile per warp),
+    (16, 8, 4, 2, 6, 2),  # 2 slots per warp,
+    (16, 8, 16, 2, 6, 1),  # warps 8-15 without a K tile
 ]
 
 

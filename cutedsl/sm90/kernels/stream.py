@@ -117,6 +117,12 @@ def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=
 
 
 @dsl_user_op
+def trap(*, loc=None, ip=None) -> None:
+    """Abort the kernel (PTX `trap`): a launch it must not serve."""
+    du.asm(None, [], "trap;", "", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def ldmatrix_x4(addr: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
     """Four 8x8 b16 matrices from shared memory (lane 8 i + r gives row r of matrix i); lane l
     receives row l / 4, columns 2 (l % 4) and + 1 of each: an mma.sync B fragment word per
@@ -149,6 +155,17 @@ def mma_16816_bf16(acc: tuple, a: tuple, b: tuple, *, loc=None, ip=None) -> tupl
 
 
 # ------------------------------------------------------------------------------ kernel
+
+
+def shared_storage(ring: int, park: int, acts: int, sched: int) -> type:
+    """The CTA's shared-memory struct: `ring` bytes, then `park` and `acts` bytes where nonzero
+    (16-byte aligned), then `sched` int32 words."""
+    fields = {"ring": cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, ring], 16]}
+    for name, nbytes in (("park", park), ("acts", acts)):
+        if nbytes:
+            fields[name] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, nbytes], 16]
+    fields["sched"] = cute.struct.MemRange[cutlass.Int32, sched]
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
 def stage_of(loads: tuple) -> int:
@@ -259,20 +276,12 @@ class Sm90Nvfp4StreamGemmKernel:
     ):
         self.out_dtype = out.element_type
 
-        @cute.struct
-        class SharedStorage:
-            ring: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Uint8, self.warps * self.warp_bytes], 16
-            ]
-            park: cute.struct.Align[  # persistent mode: two regions per warp
-                cute.struct.MemRange[cutlass.Uint8, max(16, 2 * self.warps * self.park_bytes)], 16
-            ]
-            acts: cute.struct.Align[  # resident activations: res slots per warp
-                cute.struct.MemRange[cutlass.Uint8, max(16, self.warps * self.res_bytes)], 16
-            ]
-            sched: cute.struct.MemRange[cutlass.Int32, self.warps + 2]  # `moe_tile`
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = shared_storage(
+            self.warps * self.warp_bytes,  # the rings
+            2 * self.warps * self.park_bytes,  # persistent: two park regions per warp
+            self.warps * self.res_bytes,  # resident activations: res slots per warp
+            self.warps + 2,  # `moe_tile`
+        )
         grid = (cute.size(w, mode=[0]) // self.rows, 1, cute.size(w, mode=[2]))
         if cutlass.const_expr(self.ctas > 0):
             grid = (cutlass.min(grid[0], self.ctas), 1, grid[2])
@@ -439,6 +448,8 @@ class Sm90Nvfp4StreamGemmKernel:
         acts = None
         if cutlass.const_expr(self.res > 0):
             acts = storage.acts.data_ptr().toint() + warp * self.res_bytes
+            if mine > self.res:  # never written past the slots (the host refuses such launches)
+                trap()
         loads, a_ld = self._addresses(mA, mW, mS, ring, lane, grp, act_l, n0, tok0, t_cnt, acts)
         # byte offsets of the next block (p row blocks further) in the weights and the scales
         w_blk = Int64(cute.crd2idx((self.rows, 0, 0), mW.layout)) * Int64(p)
