@@ -5,7 +5,7 @@
 For every (N, K, groups) and measured M, the fastest tactic timed in one run: the grid sweep's
 tactics (`sweep_us`), the streaming decode kernel's configurations (`stream_sweep_us`, from
 `--impls stream`; such an entry reads {"kernel": "stream", "tactic": [rows, tokens, warps,
-depth]}) and the tactic the run's default launch took (`tactic`, `us`); later files win for the
+depth(, ctas(, res))]}) and the tactic the run's default launch took (`tactic`, `us`); later files win for the
 same (shape, M), and `--base` starts from an existing table. MoE shapes are skipped (routed rows
 per expert are unknown on the host; their tactic stays a rule). Every sweep must come from one
 device: the table's meta records its name and SM count (the sweeps' "device" and "sms";
@@ -105,7 +105,7 @@ def table_from_sweeps(sweeps: list[dict], spec: GpuSpec, base: dict | None = Non
     meta = {
         "what": "fastest measured tactic per dense / grouped shape and M: (tile_n, tile_m, split_k) "
         "of the tiled kernel from `python -m cutedsl.bench.gemm_sm90 --sweep grid`, or (rows, "
-        "tokens, warps, depth) of the streaming decode kernel (kernel 'stream') from its "
+        "tokens, warps, depth(, ctas(, res))) of the streaming decode kernel (kernel 'stream') from its "
         "`--impls stream` sweep; cutedsl.sm90.tactics.choose_tactic uses the entry of the "
         "smallest measured M >= m, and its rule beyond the largest",
         "built_by": "python -m cutedsl.bench.tune_sm90",

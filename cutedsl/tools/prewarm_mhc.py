@@ -307,7 +307,8 @@ def write_stamp(
         if len({d[0] for d in deep_gemm}) != 1:
             return None
         dg_cache = deep_gemm[0][0]
-        if dg_cache and dg_cache != ((fp.get("deep_gemm") or {}).get("cache") or dg_cache):
+        looked_in = (fp.get("deep_gemm") or {}).get("cache")
+        if dg_cache and looked_in and dg_cache != looked_in:
             return None  # the workers' folder is not the one a later check looks in
         for _, entries in deep_gemm:
             dg_kernels.update(entries)
